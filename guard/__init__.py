@@ -1,0 +1,31 @@
+"""cuckoo-guard: a cuckoo filter in Redis, changed only by atomic Lua scripts."""
+
+from guard.errors import (
+    FilterCorruptError,
+    FilterExistsError,
+    FilterFullError,
+    FilterNotFoundError,
+    GuardError,
+    InvalidParameterError,
+)
+from guard.filter import (
+    CuckooFilter,
+    FilterInfo,
+    SyncCuckooFilter,
+    list_filters,
+    list_filters_sync,
+)
+
+__all__ = [
+    "CuckooFilter",
+    "FilterCorruptError",
+    "FilterExistsError",
+    "FilterFullError",
+    "FilterInfo",
+    "FilterNotFoundError",
+    "GuardError",
+    "InvalidParameterError",
+    "SyncCuckooFilter",
+    "list_filters",
+    "list_filters_sync",
+]

@@ -1,0 +1,34 @@
+"""The library's exceptions: one base class, one subclass per thing a caller may handle."""
+
+from __future__ import annotations
+
+
+class GuardError(Exception):
+    """Base class of every error the guard library raises on purpose."""
+
+
+class InvalidParameterError(GuardError, ValueError):
+    """A parameter is out of range; raised before anything is written."""
+
+
+class FilterNotFoundError(GuardError):
+    """The filter's key does not exist: never read as "absent"."""
+
+
+class FilterExistsError(GuardError):
+    """reserve() on a name that already holds a filter."""
+
+
+class FilterFullError(GuardError):
+    """A fixed-size filter (or one at its growth limit) has no room for an item.
+
+    ``results`` tells, item by item, which ones of the batch were added before the failure.
+    """
+
+    def __init__(self, message: str, results: list[bool] | None = None) -> None:
+        super().__init__(message)
+        self.results: list[bool] = results if results is not None else []
+
+
+class FilterCorruptError(GuardError):
+    """The stored filter failed the scripts' header check (bad magic, truncated, wrong type)."""

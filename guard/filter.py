@@ -1,0 +1,468 @@
+"""CuckooFilter (asyncio) and SyncCuckooFilter: one set of operations, two thin drivers.
+
+Each operation is written once, as a generator that yields the script calls it needs and gets
+their replies back; the async and sync classes only run those calls on their client. The
+handle caches the filter's layout and sends it with every call; a script that finds the stored
+header different answers STALE with the real one, and the operation retries with it.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Generator, Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, NamedTuple
+
+from redis.exceptions import ResponseError
+
+from guard import layout as fmt
+from guard import scripts
+from guard.errors import FilterFullError, GuardError, InvalidParameterError
+from guard.hashing import item_hash, to_bytes
+from guard.layout import Layout
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+DEFAULT_PREFIX = "guard:"
+STAGING = ":staging"
+LOOKUP_CHUNK = 1000
+INSERT_CHUNK = 512
+# Kick steps one insert call may take in the worst case (about 1.5 us each on the server):
+# keeps a batch into a nearly full filter far below Redis's 5 s busy-script limit.
+KICK_BUDGET = 100_000
+MAX_RETRIES = 8
+
+
+class Call(NamedTuple):
+    script: str
+    keys: list[str]
+    args: list[Any]
+
+
+Op = Generator[list[Call], list[Any], Any]
+
+
+@dataclass(frozen=True)
+class FilterInfo:
+    name: str
+    capacity: int
+    items: int
+    buckets: int
+    bucket_size: int
+    fingerprint_bits: int
+    max_kicks: int
+    expansion: int
+    subfilters: int
+    load_factor: float
+    memory_bytes: int
+    error_rate: float  # estimated now, from each sub-filter's load
+    target_error_rate: float | None
+    deletes: int
+    missed_deletes: int  # deletes that found nothing: each may have removed another key
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidParameterError(f"{name} must be an integer from {low} to {high}, got {value!r}")
+    return value
+
+
+def plan_layout(
+    capacity: int,
+    *,
+    error_rate: float | None,
+    fingerprint_bits: int | None,
+    bucket_size: int,
+    max_kicks: int,
+    expansion: int,
+    seed: int | None,
+) -> Layout:
+    """Validate reserve() parameters and size the first sub-filter; no I/O."""
+    _check_int("capacity", capacity, 1, fmt.MAX_CAPACITY)
+    if bucket_size not in fmt.BUCKET_SIZES:
+        raise InvalidParameterError(f"bucket_size must be one of {fmt.BUCKET_SIZES}, got {bucket_size!r}")
+    _check_int("max_kicks", max_kicks, 0, fmt.MAX_KICKS_LIMIT)
+    _check_int("expansion", expansion, 0, fmt.MAX_EXPANSION)
+    if error_rate is not None and fingerprint_bits is not None:
+        raise InvalidParameterError("give error_rate or fingerprint_bits, not both")
+    if error_rate is not None:
+        if isinstance(error_rate, bool) or not isinstance(error_rate, int | float) or not 0 < error_rate < 1:
+            raise InvalidParameterError(f"error_rate must be between 0 and 1 (exclusive), got {error_rate!r}")
+        bits = fmt.fp_bits_for(error_rate, bucket_size, growing=expansion > 0)
+        if bits > fmt.MAX_FP_BITS:
+            raise InvalidParameterError(
+                f"error_rate {error_rate} needs {bits}-bit fingerprints; the limit is {fmt.MAX_FP_BITS}"
+            )
+        step = 1 if expansion > 0 else 0
+    else:
+        bits = 16 if fingerprint_bits is None else fingerprint_bits
+        _check_int("fingerprint_bits", bits, fmt.MIN_FP_BITS, fmt.MAX_FP_BITS)
+        step = 0
+    seed = secrets.randbits(32) if seed is None else _check_int("seed", seed, 0, 2**32 - 1)
+    buckets = fmt.buckets_for(capacity, bucket_size, bits)
+    if fmt.string_bytes(buckets, bucket_size, bits) > fmt.MAX_STRING_BYTES:
+        raise InvalidParameterError(
+            f"capacity {capacity} needs more than one Redis string (512 MB) holds; "
+            "lower it or use fewer fingerprint bits"
+        )
+    return Layout(bucket_size, bits, step, expansion, 1, max_kicks, buckets, seed)
+
+
+class _FilterOps:
+    """The operations, as generators of script calls. Shared by both client flavours."""
+
+    def __init__(self, name: str, prefix: str = DEFAULT_PREFIX, *, _variant: str = "") -> None:
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise InvalidParameterError(
+                f"filter name must match {NAME_PATTERN.pattern} (1-64 characters), got {name!r}"
+            )
+        self.name = name
+        self.prefix = prefix
+        self._variant = _variant
+        # The hash tag keeps every key of one filter in one Redis Cluster slot.
+        self._base = f"{prefix}{{{name}}}{_variant}"
+        self._layout = fmt.UNKNOWN_LAYOUT
+
+    def key(self, n: int = 0) -> str:
+        return self._base if n == 0 else f"{self._base}:{n}"
+
+    def _keys(self, count: int) -> list[str]:
+        return [self.key(n) for n in range(max(1, count))]
+
+    def _adopt(self, reply: list[Any]) -> bool:
+        """Take the layout a STALE reply carries; True when the reply was STALE."""
+        if reply[0] != scripts.STALE:
+            if reply[1] != self._layout.subfilters:
+                self._layout = replace(self._layout, subfilters=int(reply[1]))
+            return False
+        self._layout = Layout.from_reply(reply[1:])
+        return True
+
+    @staticmethod
+    def _flat_hashes(data: Sequence[bytes], seed: int) -> list[int]:
+        out: list[int] = []
+        for d in data:
+            out.extend(item_hash(d, seed))
+        return out
+
+    # -- operations -------------------------------------------------------------------------
+
+    def _reserve_op(self, layout: Layout, capacity: int, error_rate: float | None) -> Op:
+        header = fmt.pack_header(layout, capacity, error_rate)
+        total = fmt.string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
+        yield [Call("reserve", [self.key(0)], [header, total])]
+        self._layout = layout
+        return (yield from self._info_op())
+
+    def _batch_op(self, script: str, items: Iterable[str | bytes], chunk: int = LOOKUP_CHUNK) -> Op:
+        """lookup / count / delete: chunks are independent, so they go in one pipeline."""
+        data = [to_bytes(x) for x in items]
+        results: list[Any] = [None] * len(data)
+        pending = [(a, min(a + chunk, len(data))) for a in range(0, len(data), chunk)]
+        for _ in range(MAX_RETRIES):
+            if not pending:
+                return results
+            layout = self._layout
+            # With no layout yet, one small call learns it instead of every chunk failing.
+            sending = pending if layout.buckets0 else pending[:1]
+            flat = self._flat_hashes(data, layout.seed) if layout.buckets0 else [0, 0] * len(data)
+            keys = self._keys(layout.subfilters)
+            replies = yield [Call(script, keys, layout.args() + flat[2 * a : 2 * b]) for a, b in sending]
+            retry = pending[len(sending) :]
+            for (a, b), reply in zip(sending, replies, strict=True):
+                if self._adopt(reply):
+                    retry.append((a, b))
+                else:
+                    results[a:b] = reply[2:]
+            pending = sorted(retry)
+        raise GuardError(f"{self.name}: layout kept changing during {script}")
+
+    def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op:
+        """Chunks run one after another: a full fixed-size filter stops at the first failure."""
+        data = [to_bytes(x) for x in items]
+        results: list[bool] = []
+        stale = 0
+        while len(results) < len(data):
+            layout = self._layout
+            chunk = max(1, min(INSERT_CHUNK, KICK_BUDGET // max(1, layout.max_kicks)))
+            part = data[len(results) : len(results) + chunk] if layout.buckets0 else data[:0]
+            # Two spare keys: growth may add sub-filters within one call.
+            keys = self._keys(layout.subfilters + 2)
+            args = [*layout.args(), int(unique), *self._flat_hashes(part, layout.seed)]
+            (reply,) = yield [Call("insert", keys, args)]
+            if self._adopt(reply):
+                stale += 1
+                if stale > MAX_RETRIES:
+                    raise GuardError(f"{self.name}: layout kept changing during insert")
+                continue
+            results.extend(bool(r) for r in reply[2:])
+            if reply[0] == scripts.FULL:
+                raise FilterFullError(
+                    f"filter {self.name!r} is full ({len(results)} of {len(data)} items added)",
+                    results + [False] * (len(data) - len(results)),
+                )
+        return results
+
+    def _info_op(self) -> Op:
+        for _ in range(MAX_RETRIES):
+            layout = self._layout
+            (reply,) = yield [Call("info", self._keys(layout.subfilters), layout.args())]
+            if not self._adopt(reply):
+                return self._make_info(self._layout, reply)
+        raise GuardError(f"{self.name}: layout kept changing during info")
+
+    def _make_info(self, layout: Layout, reply: list[Any]) -> FilterInfo:
+        capacity, deletes, missed, eps_ppt = (int(x) for x in reply[2:6])
+        per_sub = [int(x) for x in reply[6:]]
+        b = layout.bucket_size
+        buckets = fp_rate = memory = 0
+        miss_all = 1.0
+        for n, count in enumerate(per_sub):
+            m, f = layout.buckets(n), layout.fp_bits_at(n)
+            buckets += m
+            memory += layout.string_bytes(n)
+            # An absent item is compared with 2b slots, each holding a print with probability
+            # `load`, matching with probability 1 / (2^f - 1) (prints are never 0).
+            load = count / (m * b)
+            miss_all *= (1 - load / (2**f - 1)) ** (2 * b)
+        fp_rate = 1 - miss_all
+        items = sum(per_sub)
+        return FilterInfo(
+            name=self.name,
+            capacity=capacity,
+            items=items,
+            buckets=buckets,
+            bucket_size=b,
+            fingerprint_bits=layout.fp_bits,
+            max_kicks=layout.max_kicks,
+            expansion=layout.expansion,
+            subfilters=layout.subfilters,
+            load_factor=items / (buckets * b),
+            memory_bytes=memory,
+            error_rate=fp_rate,
+            target_error_rate=eps_ppt / 1e12 if eps_ppt else None,
+            deletes=deletes,
+            missed_deletes=missed,
+        )
+
+    def _drop_op(self) -> Op:
+        (existed,) = yield [Call("drop", self._keys(fmt.MAX_SUBFILTERS), [])]
+        self._layout = fmt.UNKNOWN_LAYOUT
+        return bool(existed)
+
+    def _promote_op(self, live: _FilterOps) -> Op:
+        keys = live._keys(fmt.MAX_SUBFILTERS) + self._keys(fmt.MAX_SUBFILTERS)
+        yield [Call("promote", keys, [])]
+        live._layout = self._layout
+        self._layout = fmt.UNKNOWN_LAYOUT
+        return True
+
+
+def _plan(capacity: int, **params: Any) -> Layout:
+    return plan_layout(
+        capacity,
+        error_rate=params.get("error_rate"),
+        fingerprint_bits=params.get("fingerprint_bits"),
+        bucket_size=params.get("bucket_size", 4),
+        max_kicks=params.get("max_kicks", 500),
+        expansion=params.get("expansion", 2),
+        seed=params.get("seed"),
+    )
+
+
+class CuckooFilter(_FilterOps):
+    """A handle on one filter over ``redis.asyncio.Redis``; creating it does no I/O."""
+
+    def __init__(self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, _variant: str = "") -> None:
+        super().__init__(name, prefix, _variant=_variant)
+        self.redis = redis
+        self._scripts = scripts.register(redis)
+
+    async def _run(self, op: Op) -> Any:
+        try:
+            calls = next(op)
+            while True:
+                calls = op.send(await self._execute(calls))
+        except StopIteration as done:
+            return done.value
+
+    async def _execute(self, calls: list[Call]) -> list[Any]:
+        try:
+            if len(calls) == 1:
+                c = calls[0]
+                return [await self._scripts[c.script](keys=c.keys, args=c.args)]
+            pipe = self.redis.pipeline(transaction=False)
+            for c in calls:
+                await self._scripts[c.script](keys=c.keys, args=c.args, client=pipe)
+            replies = await pipe.execute(raise_on_error=False)
+        except ResponseError as exc:
+            raise scripts.map_error(exc, self.name) from exc
+        return _raise_first_error(replies, self.name)
+
+    def staging(self) -> CuckooFilter:
+        """A handle on this filter's staging copy (same hash tag), for rebuilds."""
+        return CuckooFilter(self.redis, self.name, self.prefix, _variant=STAGING)
+
+    async def reserve(self, capacity: int, **params: Any) -> FilterInfo:
+        """Create the filter: capacity, error_rate | fingerprint_bits, bucket_size, max_kicks,
+        expansion (0 = fixed size), seed."""
+        layout = _plan(capacity, **params)
+        return await self._run(self._reserve_op(layout, capacity, params.get("error_rate")))
+
+    async def insert(self, item: str | bytes) -> bool:
+        return (await self._run(self._insert_op([item], unique=False)))[0]
+
+    async def insert_unique(self, item: str | bytes) -> bool:
+        return (await self._run(self._insert_op([item], unique=True)))[0]
+
+    async def insert_many(self, items: Iterable[str | bytes], unique: bool = False) -> list[bool]:
+        return await self._run(self._insert_op(items, unique))
+
+    async def lookup(self, item: str | bytes) -> bool:
+        return bool((await self._run(self._batch_op("lookup", [item])))[0])
+
+    async def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:
+        return [bool(r) for r in await self._run(self._batch_op("lookup", items))]
+
+    async def count(self, item: str | bytes) -> int:
+        return int((await self._run(self._batch_op("count", [item])))[0])
+
+    async def delete(self, item: str | bytes) -> bool:
+        return bool((await self._run(self._batch_op("delete", [item])))[0])
+
+    async def delete_many(self, items: Iterable[str | bytes]) -> list[bool]:
+        return [bool(r) for r in await self._run(self._batch_op("delete", items))]
+
+    async def info(self) -> FilterInfo:
+        return await self._run(self._info_op())
+
+    async def exists(self) -> bool:
+        return bool(await self.redis.exists(self.key(0)))
+
+    async def drop(self) -> bool:
+        return await self._run(self._drop_op())
+
+    async def promote(self) -> bool:
+        """Atomically replace the live filter by this staging copy."""
+        live = CuckooFilter(self.redis, self.name, self.prefix)
+        return await self._run(self._promote_op(live))
+
+
+class SyncCuckooFilter(_FilterOps):
+    """The same filter over a blocking ``redis.Redis``, for scripts and CLIs."""
+
+    def __init__(self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, _variant: str = "") -> None:
+        super().__init__(name, prefix, _variant=_variant)
+        self.redis = redis
+        self._scripts = scripts.register(redis)
+
+    def _run(self, op: Op) -> Any:
+        try:
+            calls = next(op)
+            while True:
+                calls = op.send(self._execute(calls))
+        except StopIteration as done:
+            return done.value
+
+    def _execute(self, calls: list[Call]) -> list[Any]:
+        try:
+            if len(calls) == 1:
+                c = calls[0]
+                return [self._scripts[c.script](keys=c.keys, args=c.args)]
+            pipe = self.redis.pipeline(transaction=False)
+            for c in calls:
+                self._scripts[c.script](keys=c.keys, args=c.args, client=pipe)
+            replies = pipe.execute(raise_on_error=False)
+        except ResponseError as exc:
+            raise scripts.map_error(exc, self.name) from exc
+        return _raise_first_error(replies, self.name)
+
+    def staging(self) -> SyncCuckooFilter:
+        return SyncCuckooFilter(self.redis, self.name, self.prefix, _variant=STAGING)
+
+    def reserve(self, capacity: int, **params: Any) -> FilterInfo:
+        layout = _plan(capacity, **params)
+        return self._run(self._reserve_op(layout, capacity, params.get("error_rate")))
+
+    def insert(self, item: str | bytes) -> bool:
+        return self._run(self._insert_op([item], unique=False))[0]
+
+    def insert_unique(self, item: str | bytes) -> bool:
+        return self._run(self._insert_op([item], unique=True))[0]
+
+    def insert_many(self, items: Iterable[str | bytes], unique: bool = False) -> list[bool]:
+        return self._run(self._insert_op(items, unique))
+
+    def lookup(self, item: str | bytes) -> bool:
+        return bool(self._run(self._batch_op("lookup", [item]))[0])
+
+    def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:
+        return [bool(r) for r in self._run(self._batch_op("lookup", items))]
+
+    def count(self, item: str | bytes) -> int:
+        return int(self._run(self._batch_op("count", [item]))[0])
+
+    def delete(self, item: str | bytes) -> bool:
+        return bool(self._run(self._batch_op("delete", [item]))[0])
+
+    def delete_many(self, items: Iterable[str | bytes]) -> list[bool]:
+        return [bool(r) for r in self._run(self._batch_op("delete", items))]
+
+    def info(self) -> FilterInfo:
+        return self._run(self._info_op())
+
+    def exists(self) -> bool:
+        return bool(self.redis.exists(self.key(0)))
+
+    def drop(self) -> bool:
+        return self._run(self._drop_op())
+
+    def promote(self) -> bool:
+        live = SyncCuckooFilter(self.redis, self.name, self.prefix)
+        return self._run(self._promote_op(live))
+
+
+def _raise_first_error(replies: list[Any], name: str) -> list[Any]:
+    for reply in replies:
+        if isinstance(reply, ResponseError):
+            raise scripts.map_error(reply, name) from reply
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+def _name_of(key: bytes | str, prefix: str) -> str | None:
+    text = key.decode() if isinstance(key, bytes) else key
+    inner = text[len(prefix) + 1 : -1]
+    return inner if NAME_PATTERN.match(inner) else None
+
+
+def _match_pattern(prefix: str) -> str:
+    # Escape glob characters a prefix may hold; the braces are literal to Redis's matcher.
+    escaped = re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
+    return f"{escaped}{{*}}"
+
+
+async def list_filters(redis: Any, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Names of the filters under ``prefix`` (a SCAN: fine for tens of thousands of keys)."""
+    names = {_name_of(k, prefix) async for k in redis.scan_iter(match=_match_pattern(prefix), count=1000)}
+    return sorted(n for n in names if n)
+
+
+def list_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    names = {_name_of(k, prefix) for k in redis.scan_iter(match=_match_pattern(prefix), count=1000)}
+    return sorted(n for n in names if n)
+
+
+__all__ = [
+    "CuckooFilter",
+    "FilterInfo",
+    "SyncCuckooFilter",
+    "list_filters",
+    "list_filters_sync",
+    "plan_layout",
+]
+

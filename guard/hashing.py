@@ -1,0 +1,68 @@
+"""Item hashing: the pure arithmetic shared, bit for bit, with the Lua scripts.
+
+An item hashes (mmh3, 128 bits, seeded per filter) into two independent parts:
+``h`` (52 bits) picks the primary bucket as ``h mod m``; ``g`` (32 bits) gives the fingerprint,
+whose width may differ per sub-filter. Both stay below 2**53 so Lua's doubles hold them exactly.
+"""
+
+from __future__ import annotations
+
+import mmh3
+
+H_BITS = 52
+H_MASK = (1 << H_BITS) - 1
+G_MASK = 0xFFFFFFFF
+# A Mersenne prime: products below 2**53 reduced by it stay exact in Lua's doubles.
+P31 = 2147483647
+
+
+def to_bytes(item: str | bytes) -> bytes:
+    if isinstance(item, bytes):
+        return item
+    if isinstance(item, str):
+        return item.encode("utf-8")
+    raise TypeError(f"items must be str or bytes, not {type(item).__name__}")
+
+
+def item_hash(item: str | bytes, seed: int) -> tuple[int, int]:
+    """Return ``(h, g)`` for an item under a filter's seed."""
+    x = mmh3.hash128(to_bytes(item), seed, signed=False)
+    return x & H_MASK, (x >> 64) & G_MASK
+
+
+def fix_g(g: int, f0: int) -> int:
+    """Force the top ``f0`` bits of ``g`` to be non-zero.
+
+    Every sub-filter's fingerprint is a prefix of the same ``g``, so a fingerprint is never 0
+    (0 marks an empty slot) and a match in a wide sub-filter implies a match in every narrower one.
+    """
+    if g >> (32 - f0) == 0:
+        g += 1 << (32 - f0)
+    return g
+
+
+def fingerprint(g_fixed: int, f: int) -> int:
+    return g_fixed >> (32 - f)
+
+
+def mix(p: int) -> int:
+    """A non-linear hash of a fingerprint prefix, written to be exact in Lua 5.1 doubles."""
+    x = p % P31
+    x = (x * 1103515 + 12345) % P31
+    x = (x * (x % 65521 + 1)) % P31
+    x = (x * 1664525 + 1013904223) % P31
+    return x
+
+
+def alt_bucket(i: int, prefix: int, m: int) -> int:
+    """The other bucket of a fingerprint: ``(H(fp) - i) mod m`` is its own inverse for any m."""
+    return (mix(prefix) - i) % m
+
+
+def lehmer_next(state: int) -> int:
+    """The kick chain's victim generator (seeded per item, reproducible in Lua and Python)."""
+    return (state * 48271) % P31
+
+
+def lehmer_seed(h: int, g: int) -> int:
+    return (h + g) % (P31 - 1) + 1

@@ -1,0 +1,150 @@
+"""The stored format: header fields, sub-filter geometry, sizing from capacity or error rate.
+
+docs/format.md describes the same bytes for other clients; the Lua prelude reads them.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+MAGIC = 0x434B4744  # "CKGD"
+VERSION = 1
+HEADER_BYTES = 64
+TRAILER = 0xA5  # last byte of every sub-filter string: a truncated string loses it
+MAX_SUBFILTERS = 32
+MAX_STRING_BYTES = 512 * 1024 * 1024  # Redis's proto-max-bulk-len default
+BUCKET_SIZES = (1, 2, 4, 8)
+MIN_FP_BITS, MAX_FP_BITS = 4, 32
+MAX_EXPANSION = 16
+MAX_KICKS_LIMIT = 4000  # keeps the worst single insert far below Redis's 5 s busy-script limit
+MAX_CAPACITY = 1 << 40
+# Load a table of each bucket size holds at its first failed insert with 500 kicks (measured:
+# bench/quality.py), less a margin so `capacity` items fit in a fixed-size filter.
+TARGET_LOAD = {1: 0.48, 2: 0.83, 4: 0.94, 8: 0.97}
+
+# struct layout of the header; byte offsets are documented in docs/format.md.
+_HEADER = struct.Struct(">IBBBBBBBBIHHIqqqqq")
+assert _HEADER.size == HEADER_BYTES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What every script call carries to prove it reads the filter the caller thinks it reads."""
+
+    bucket_size: int
+    fp_bits: int  # width in sub-filter 0
+    fp_step: int  # bits added per sub-filter (1 when sized by error rate, else 0)
+    expansion: int
+    subfilters: int
+    max_kicks: int
+    buckets0: int
+    seed: int
+
+    def args(self) -> list[int]:
+        return [
+            self.bucket_size,
+            self.fp_bits,
+            self.fp_step,
+            self.expansion,
+            self.subfilters,
+            self.max_kicks,
+            self.buckets0,
+            self.seed,
+        ]
+
+    def buckets(self, n: int) -> int:
+        return self.buckets0 * (self.expansion**n if self.expansion else 1)
+
+    def fp_bits_at(self, n: int) -> int:
+        return min(MAX_FP_BITS, self.fp_bits + self.fp_step * n)
+
+    def string_bytes(self, n: int) -> int:
+        return string_bytes(self.buckets(n), self.bucket_size, self.fp_bits_at(n))
+
+    @classmethod
+    def from_reply(cls, fields: list[int]) -> Layout:
+        # Order matches the STALE reply of the Lua prelude.
+        b, f0, step, exp, nsub, kicks, m0, seed = (int(x) for x in fields[:8])
+        return cls(b, f0, step, exp, nsub, kicks, m0, seed)
+
+
+UNKNOWN_LAYOUT = Layout(0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def string_bytes(buckets: int, bucket_size: int, fp_bits: int) -> int:
+    return HEADER_BYTES + (buckets * bucket_size * fp_bits + 7) // 8 + 1
+
+
+def allocator_size(nbytes: int) -> int:
+    """The jemalloc size class Redis rounds an allocation of ``nbytes`` up to.
+
+    Classes above 64 bytes come four per doubling; a table sized to fill its class gets the
+    allocator's slack as free headroom instead of wasting it.
+    """
+    if nbytes <= 64:
+        return max(8, (nbytes + 7) // 8 * 8)
+    group = 1 << (nbytes - 1).bit_length() - 1  # largest power of two below nbytes
+    step = group // 4
+    return (nbytes + step - 1) // step * step
+
+
+def _sds_overhead(nbytes: int) -> int:
+    # sdshdr16/sdshdr32 header plus the terminating NUL Redis keeps after every string.
+    return (5 if nbytes < 65536 else 9) + 1
+
+
+def buckets_for(capacity: int, bucket_size: int, fp_bits: int) -> int:
+    """Bucket count for ``capacity`` items: no power-of-two rounding, allocator slack reused."""
+    need = max(1, math.ceil(capacity / (bucket_size * TARGET_LOAD[bucket_size])))
+    nbytes = string_bytes(need, bucket_size, fp_bits)
+    room = allocator_size(nbytes + _sds_overhead(nbytes)) - _sds_overhead(nbytes)
+    table_bits = (room - HEADER_BYTES - 1) * 8
+    return max(need, table_bits // (bucket_size * fp_bits))
+
+
+def fp_bits_for(error_rate: float, bucket_size: int, growing: bool) -> int:
+    """Narrowest fingerprint keeping the whole filter's false-positive rate under ``error_rate``.
+
+    One full sub-filter answers a false "maybe" with probability at most 2b / 2**f. A growing
+    filter adds one bit per sub-filter, so its rates form a series summing to under twice the
+    first: one more bit up front covers every sub-filter it will ever have.
+    """
+    bound = 2 * bucket_size / error_rate
+    if growing:
+        bound *= 2
+    return max(MIN_FP_BITS, math.ceil(math.log2(bound)))
+
+
+def pack_header(layout: Layout, capacity: int, error_rate: float | None) -> bytes:
+    return _HEADER.pack(
+        MAGIC,
+        VERSION,
+        layout.bucket_size,
+        layout.fp_bits,
+        layout.fp_step,
+        layout.expansion,
+        layout.subfilters,
+        0,  # index of this sub-filter
+        0,  # flags
+        layout.buckets0,
+        layout.max_kicks,
+        0,
+        layout.seed,
+        capacity,
+        0,  # items
+        0,  # deletes
+        0,  # missed deletes
+        round((error_rate or 0.0) * 1e12),
+    )
+
+
+def unpack_table(data: bytes, buckets: int, bucket_size: int, fp_bits: int) -> list[int]:
+    """Decode a sub-filter string's slots (for tests, export and other clients)."""
+    table = data[HEADER_BYTES:-1]
+    value = int.from_bytes(table, "big")
+    total_bits = len(table) * 8
+    mask = (1 << fp_bits) - 1
+    slots = buckets * bucket_size
+    return [(value >> (total_bits - (k + 1) * fp_bits)) & mask for k in range(slots)]

@@ -1,0 +1,25 @@
+-- count.lua: how many copies of each item's fingerprint the filter holds.
+-- KEYS: sub-filters 0..subfilters-1.  ARGV: layout (8), then h1, g1, h2, g2, ...
+-- Reply: {OK, subfilters, c1, c2, ...}; or {STALE, layout...}.
+local err = check_layout()
+if err then return err end
+
+local function matches(bkt, fp)
+  local c = 0
+  for s = 1, L.b do if bkt[s] == fp then c = c + 1 end end
+  return c
+end
+
+local reply = {OK, L.nsub}
+for k = 9, #ARGV, 2 do
+  local h, g = tonumber(ARGV[k]), fixed_g(tonumber(ARGV[k + 1]))
+  local c = 0
+  for n = 0, L.nsub - 1 do
+    local fp, i1, i2 = item_at(h, g, n)
+    load(n, {i1, i2})
+    c = c + matches(cache[n][i1], fp)
+    if i2 ~= i1 then c = c + matches(cache[n][i2], fp) end
+  end
+  reply[#reply + 1] = c
+end
+return reply

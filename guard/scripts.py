@@ -1,0 +1,58 @@
+"""The Lua scripts: loaded once from guard/lua, each prefixed by the shared prelude.
+
+Calls go through redis-py's Script objects, which send EVALSHA and reload on NOSCRIPT (and
+load scripts before a pipeline runs), so a SCRIPT FLUSH or a restarted server is invisible.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib.resources import files
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from guard.errors import (
+    FilterCorruptError,
+    FilterExistsError,
+    FilterNotFoundError,
+    GuardError,
+    InvalidParameterError,
+)
+
+NAMES = ("reserve", "lookup", "count", "insert", "delete", "info", "drop", "promote")
+
+# Reply status codes, as in _prelude.lua.
+OK, STALE, FULL, NEEDKEYS = 0, 1, 2, 3
+
+_CODES: dict[str, type[GuardError]] = {
+    "NOTFOUND": FilterNotFoundError,
+    "EXISTS": FilterExistsError,
+    "CORRUPT": FilterCorruptError,
+    "BADARG": InvalidParameterError,
+}
+_GUARD_REPLY = re.compile(r"GUARD_([A-Z]+) ?([^\n]*?)(?: script: .*)?$", re.S)
+
+
+@cache
+def source(name: str) -> str:
+    lua = files("guard") / "lua"
+    return (lua / "_prelude.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+
+
+def register(client: Any) -> dict[str, Any]:
+    """One Script object per operation, bound to ``client`` (sync or asyncio redis-py)."""
+    return {name: client.register_script(source(name)) for name in NAMES}
+
+
+def map_error(exc: ResponseError, what: str) -> Exception:
+    """Turn a script's error reply into the library's exception (or leave it as it is)."""
+    text = str(exc)
+    match = _GUARD_REPLY.search(text)
+    if match:
+        cls = _CODES.get(match.group(1), GuardError)
+        return cls(f"{what}: {match.group(2).strip()}")
+    if text.startswith("WRONGTYPE"):
+        return FilterCorruptError(f"{what}: a key of the filter holds another type")
+    return exc
