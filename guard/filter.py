@@ -66,7 +66,9 @@ class FilterInfo:
 
 def _check_int(name: str, value: object, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidParameterError(f"{name} must be an integer from {low} to {high}, got {value!r}")
+        raise InvalidParameterError(
+            f"{name} must be an integer from {low} to {high}, got {value!r}"
+        )
     return value
 
 
@@ -83,18 +85,27 @@ def plan_layout(
     """Validate reserve() parameters and size the first sub-filter; no I/O."""
     _check_int("capacity", capacity, 1, fmt.MAX_CAPACITY)
     if bucket_size not in fmt.BUCKET_SIZES:
-        raise InvalidParameterError(f"bucket_size must be one of {fmt.BUCKET_SIZES}, got {bucket_size!r}")
+        raise InvalidParameterError(
+            f"bucket_size must be one of {fmt.BUCKET_SIZES}, got {bucket_size!r}"
+        )
     _check_int("max_kicks", max_kicks, 0, fmt.MAX_KICKS_LIMIT)
     _check_int("expansion", expansion, 0, fmt.MAX_EXPANSION)
     if error_rate is not None and fingerprint_bits is not None:
         raise InvalidParameterError("give error_rate or fingerprint_bits, not both")
     if error_rate is not None:
-        if isinstance(error_rate, bool) or not isinstance(error_rate, int | float) or not 0 < error_rate < 1:
-            raise InvalidParameterError(f"error_rate must be between 0 and 1 (exclusive), got {error_rate!r}")
+        if (
+            isinstance(error_rate, bool)
+            or not isinstance(error_rate, int | float)
+            or not 0 < error_rate < 1
+        ):
+            raise InvalidParameterError(
+                f"error_rate must be between 0 and 1 (exclusive), got {error_rate!r}"
+            )
         bits = fmt.fp_bits_for(error_rate, bucket_size, growing=expansion > 0)
         if bits > fmt.MAX_FP_BITS:
             raise InvalidParameterError(
-                f"error_rate {error_rate} needs {bits}-bit fingerprints; the limit is {fmt.MAX_FP_BITS}"
+                f"error_rate {error_rate} needs {bits}-bit fingerprints; "
+                f"the limit is {fmt.MAX_FP_BITS}"
             )
         step = 1 if expansion > 0 else 0
     else:
@@ -170,7 +181,9 @@ class _FilterOps:
             sending = pending if layout.buckets0 else pending[:1]
             flat = self._flat_hashes(data, layout.seed) if layout.buckets0 else [0, 0] * len(data)
             keys = self._keys(layout.subfilters)
-            replies = yield [Call(script, keys, layout.args() + flat[2 * a : 2 * b]) for a, b in sending]
+            replies = yield [
+                Call(script, keys, layout.args() + flat[2 * a : 2 * b]) for a, b in sending
+            ]
             retry = pending[len(sending) :]
             for (a, b), reply in zip(sending, replies, strict=True):
                 if self._adopt(reply):
@@ -218,7 +231,7 @@ class _FilterOps:
         capacity, deletes, missed, eps_ppt = (int(x) for x in reply[2:6])
         per_sub = [int(x) for x in reply[6:]]
         b = layout.bucket_size
-        buckets = fp_rate = memory = 0
+        buckets = memory = 0
         miss_all = 1.0
         for n, count in enumerate(per_sub):
             m, f = layout.buckets(n), layout.fp_bits_at(n)
@@ -228,7 +241,6 @@ class _FilterOps:
             # `load`, matching with probability 1 / (2^f - 1) (prints are never 0).
             load = count / (m * b)
             miss_all *= (1 - load / (2**f - 1)) ** (2 * b)
-        fp_rate = 1 - miss_all
         items = sum(per_sub)
         return FilterInfo(
             name=self.name,
@@ -242,7 +254,7 @@ class _FilterOps:
             subfilters=layout.subfilters,
             load_factor=items / (buckets * b),
             memory_bytes=memory,
-            error_rate=fp_rate,
+            error_rate=1 - miss_all,
             target_error_rate=eps_ppt / 1e12 if eps_ppt else None,
             deletes=deletes,
             missed_deletes=missed,
@@ -276,7 +288,9 @@ def _plan(capacity: int, **params: Any) -> Layout:
 class CuckooFilter(_FilterOps):
     """A handle on one filter over ``redis.asyncio.Redis``; creating it does no I/O."""
 
-    def __init__(self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, _variant: str = "") -> None:
+    def __init__(
+        self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, _variant: str = ""
+    ) -> None:
         super().__init__(name, prefix, _variant=_variant)
         self.redis = redis
         self._scripts = scripts.register(redis)
@@ -354,7 +368,9 @@ class CuckooFilter(_FilterOps):
 class SyncCuckooFilter(_FilterOps):
     """The same filter over a blocking ``redis.Redis``, for scripts and CLIs."""
 
-    def __init__(self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, _variant: str = "") -> None:
+    def __init__(
+        self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, _variant: str = ""
+    ) -> None:
         super().__init__(name, prefix, _variant=_variant)
         self.redis = redis
         self._scripts = scripts.register(redis)
@@ -448,7 +464,9 @@ def _match_pattern(prefix: str) -> str:
 
 async def list_filters(redis: Any, prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Names of the filters under ``prefix`` (a SCAN: fine for tens of thousands of keys)."""
-    names = {_name_of(k, prefix) async for k in redis.scan_iter(match=_match_pattern(prefix), count=1000)}
+    names = {
+        _name_of(k, prefix) async for k in redis.scan_iter(match=_match_pattern(prefix), count=1000)
+    }
     return sorted(n for n in names if n)
 
 
@@ -465,4 +483,3 @@ __all__ = [
     "list_filters_sync",
     "plan_layout",
 ]
-

@@ -14,8 +14,9 @@ local MAX_SUBFILTERS = 32
 local MAX_STRING_BYTES = 536870912
 local P31 = 2147483647
 local OK, STALE, FULL, NEEDKEYS = 0, 1, 2, 3
--- A BITFIELD call is built with unpack(), which the Lua C stack caps near 8000 values.
-local MAX_OPS = 2000
+-- A BITFIELD call is built with unpack(), which the Lua C stack caps below 8000 values:
+-- 1500 sub-commands of up to 4 values each, plus the command and key, stay under it.
+local MAX_OPS = 1500
 
 local fmod, floor = math.fmod, math.floor
 
@@ -114,8 +115,12 @@ end
 
 -- Bucket store: a read-through cache of buckets, changed in place, written back by flush().
 -- Nothing reaches Redis before flush(), so a failed kick chain is dropped, never half-applied.
+-- Per sub-filter tables are made on first use: most calls touch one sub-filter, and building
+-- them all up front was a measurable share of a lookup's cost.
 local cache, orig, dirty, item_delta = {}, {}, {}, {}
-for n = 0, MAX_SUBFILTERS do cache[n] = {}; orig[n] = {}; dirty[n] = {}; item_delta[n] = 0 end
+local function touch(n)
+  if not cache[n] then cache[n] = {}; orig[n] = {}; dirty[n] = {}; item_delta[n] = 0 end
+end
 
 local function slot_offset(n, i, s)
   return HEADER_BITS + (i * L.b + s) * sf_bits(n)
@@ -123,6 +128,7 @@ end
 
 -- Reads buckets (list of indexes) of sub-filter n that are not cached, in one BITFIELD call.
 local function load(n, list)
+  touch(n)
   local args, want, seen = {'BITFIELD', KEYS[n + 1]}, {}, {}
   local ftype = 'u' .. sf_bits(n)
   for _, i in ipairs(list) do
@@ -156,7 +162,7 @@ local function load_many(n, list)
 end
 
 local function bucket(n, i)
-  if not cache[n][i] then load(n, {i}) end
+  if not (cache[n] and cache[n][i]) then load(n, {i}) end
   return cache[n][i]
 end
 
@@ -172,6 +178,7 @@ end
 
 local function flush()
   for n = 0, L.nsub - 1 do
+    touch(n)
     local args, ops = {'BITFIELD', KEYS[n + 1]}, 0
     local ftype = 'u' .. sf_bits(n)
     for i, _ in pairs(dirty[n]) do

@@ -1,0 +1,1 @@
+"""cuckoo-guard's HTTP service: filter management API and the guarded records resource."""

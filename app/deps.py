@@ -1,0 +1,152 @@
+"""Request dependencies: settings, clients built by the lifespan, auth, filter handles, limits."""
+
+from __future__ import annotations
+
+import hmac
+from collections import OrderedDict
+from typing import Annotated, Any
+
+import redis.asyncio as aioredis
+from fastapi import Depends, HTTPException, Path, Request
+
+from app.db import Database
+from app.errors import BadInput, Conflict
+from app.idempotency import Idempotency
+from app.metrics import Metrics
+from app.records import RecordStore
+from app.settings import Settings
+from guard import CuckooFilter
+
+NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
+def _lifespan_state(request: Request, name: str) -> Any:
+    try:
+        return getattr(request.state, name)
+    except AttributeError:  # the app was called without running its lifespan
+        raise RuntimeError(f"{name} is not set up: run the app with its lifespan") from None
+
+
+def get_redis(request: Request) -> aioredis.Redis:
+    redis: aioredis.Redis = _lifespan_state(request, "redis")
+    return redis
+
+
+def get_db(request: Request) -> Database:
+    db: Database = _lifespan_state(request, "db")
+    return db
+
+
+def get_records(request: Request) -> RecordStore:
+    records: RecordStore = _lifespan_state(request, "records")
+    return records
+
+
+def get_idempotency(request: Request) -> Idempotency:
+    idem: Idempotency = _lifespan_state(request, "idempotency")
+    return idem
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
+DbDep = Annotated[Database, Depends(get_db)]
+RecordsDep = Annotated[RecordStore, Depends(get_records)]
+IdempotencyDep = Annotated[Idempotency, Depends(get_idempotency)]
+FilterName = Annotated[str, Path(pattern=NAME_PATTERN, description="Filter name")]
+
+
+class FilterHandles:
+    """Filter handles kept between requests: a handle caches its filter's layout, so a fresh
+    one would spend an extra round trip learning it on every request."""
+
+    MAX = 1024
+
+    def __init__(self, redis: aioredis.Redis, prefix: str, preset: list[CuckooFilter]) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self._handles: OrderedDict[str, CuckooFilter] = OrderedDict()
+        self._pinned = {cf.name: cf for cf in preset}
+
+    def get(self, name: str) -> CuckooFilter:
+        if name in self._pinned:
+            return self._pinned[name]
+        handle = self._handles.pop(name, None) or CuckooFilter(self.redis, name, self.prefix)
+        self._handles[name] = handle  # most recently used last
+        if len(self._handles) > self.MAX:
+            self._handles.popitem(last=False)
+        return handle
+
+
+def get_filter_handles(request: Request) -> FilterHandles:
+    handles: FilterHandles = _lifespan_state(request, "filters")
+    return handles
+
+
+FiltersDep = Annotated[FilterHandles, Depends(get_filter_handles)]
+
+
+def get_filter(name: FilterName, filters: FiltersDep) -> CuckooFilter:
+    return filters.get(name)
+
+
+FilterDep = Annotated[CuckooFilter, Depends(get_filter)]
+
+
+def get_writable_filter(cf: FilterDep, settings: SettingsDep) -> CuckooFilter:
+    """A filter the API may change: not one that follows a table (that would break its
+    one-fingerprint-per-row bookkeeping; a deleted fingerprint is a false negative)."""
+    if cf.name == settings.records_filter:
+        raise Conflict(
+            f"filter {cf.name!r} follows the records table: change records, or rebuild it"
+        )
+    return cf
+
+
+WritableFilterDep = Annotated[CuckooFilter, Depends(get_writable_filter)]
+
+
+async def require_api_key(request: Request, settings: SettingsDep) -> None:
+    """Mutating routes: `Authorization: Bearer <GUARD_API_KEY>` when a key is configured."""
+    if not settings.auth_enabled:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    expected = settings.api_key.get_secret_value().encode()
+    # compare_digest on bytes: constant time, and no crash on non-ASCII input.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        raise HTTPException(
+            status_code=401,
+            detail="missing or invalid API key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+Auth = Depends(require_api_key)
+
+
+def check_item(item: str, settings: Settings, loc: tuple[str | int, ...]) -> None:
+    try:
+        size = len(item.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate from a JSON "\ud800" escape
+        raise BadInput(loc, "must be valid UTF-8 text") from None
+    if not 1 <= size <= settings.max_item_bytes:
+        raise BadInput(loc, f"must be 1-{settings.max_item_bytes} bytes of UTF-8 (got {size})")
+
+
+def check_items(items: list[str], settings: Settings) -> None:
+    if len(items) > settings.max_batch:
+        raise BadInput(
+            ("body", "items"), f"at most {settings.max_batch} items per request (got {len(items)})"
+        )
+    for i, item in enumerate(items):
+        check_item(item, settings, ("body", "items", i))

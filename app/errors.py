@@ -1,0 +1,206 @@
+"""The one place where errors become HTTP answers (and where oversized bodies get their 413)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from guard import (
+    FilterCorruptError,
+    FilterExistsError,
+    FilterFullError,
+    FilterNotFoundError,
+    GuardError,
+    InvalidParameterError,
+)
+
+log = logging.getLogger(__name__)
+
+
+class BadInput(Exception):
+    """Input the schema accepted but a limit rejects: 422 naming the field and the limit."""
+
+    def __init__(self, loc: tuple[str | int, ...], msg: str) -> None:
+        super().__init__(msg)
+        self.loc = loc
+        self.msg = msg
+
+
+RESERVE_FIELDS = frozenset(
+    {"capacity", "error_rate", "fingerprint_bits", "bucket_size", "max_kicks", "expansion"}
+)
+
+
+class Conflict(Exception):
+    """The request clashes with the resource's state: 409."""
+
+
+# ---- response bodies, for OpenAPI ---------------------------------------------------------
+
+
+class ErrorBody(BaseModel):
+    detail: str
+
+
+class FullBody(BaseModel):
+    detail: str
+    results: list[bool]
+
+
+class FieldError(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationBody(BaseModel):
+    detail: list[FieldError]
+
+
+Responses = dict[int | str, dict[str, Any]]
+
+
+def _doc(status: int, model: type[BaseModel], description: str) -> Responses:
+    return {status: {"model": model, "description": description}}
+
+
+UNAUTHORIZED = _doc(401, ErrorBody, "Missing or wrong `Authorization: Bearer <GUARD_API_KEY>`")
+NOT_FOUND = _doc(404, ErrorBody, "No such filter")
+CONFLICT = _doc(409, ErrorBody, "Conflicts with the current state")
+TOO_LARGE = _doc(413, ErrorBody, "Request body over GUARD_MAX_BODY_BYTES")
+INVALID = _doc(422, ValidationBody, "Bad input; `loc` names the field, `msg` the limit")
+FULL = _doc(507, FullBody, "Fixed-size filter is full; `results` says which items were added")
+UNAVAILABLE = _doc(503, ErrorBody, "Redis unreachable; retry after `Retry-After` seconds")
+COMMON: Responses = {**INVALID, **UNAVAILABLE}
+
+
+# ---- mapping --------------------------------------------------------------------------
+
+
+def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _invalid(loc: list[str | int], msg: str) -> JSONResponse:
+    """422 in FastAPI's own shape, so clients parse one format for every bad input."""
+    return _json(422, {"detail": [{"loc": loc, "msg": msg, "type": "value_error"}]})
+
+
+def error_response(exc: BaseException, retry_after: int = 1) -> JSONResponse | None:
+    """The HTTP answer for a domain or Redis error; None for anything else (a real bug)."""
+    if isinstance(exc, BadInput):
+        return _invalid(list(exc.loc), exc.msg)
+    if isinstance(exc, InvalidParameterError):
+        # The library's messages start with the parameter's name: point `loc` at it.
+        name = str(exc).split(" ", 1)[0]
+        return _invalid(["body", name] if name in RESERVE_FIELDS else ["body"], str(exc))
+    if isinstance(exc, FilterNotFoundError):
+        return _json(404, {"detail": str(exc)})
+    if isinstance(exc, FilterExistsError | Conflict):
+        return _json(409, {"detail": str(exc)})
+    if isinstance(exc, FilterFullError):
+        return _json(507, {"detail": str(exc), "results": list(exc.results)})
+    if isinstance(exc, ResponseError) and str(exc).startswith("OOM"):
+        return _json(507, {"detail": "Redis is out of memory (maxmemory)"})
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError):
+        headers = {"Retry-After": str(retry_after)}
+        return _json(503, {"detail": "Redis unavailable"}, headers)
+    if isinstance(exc, FilterCorruptError):
+        return _json(500, {"detail": str(exc)})
+    if isinstance(exc, GuardError):
+        return _json(500, {"detail": str(exc)})
+    return None
+
+
+def install(app: FastAPI, retry_after: int) -> None:
+    """Register the handlers that turn domain and Redis errors into answers."""
+
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        response = error_response(exc, retry_after)
+        if response is None:  # an unexpected Redis reply: a bug, so a logged 500
+            log.error("%s %s: %r", request.method, request.url.path, exc)
+            return _json(500, {"detail": "Internal Server Error"})
+        if response.status_code == 503:
+            request.app.state.metrics.redis_error("api")
+        elif response.status_code == 500:  # 507 (full) is an expected answer, not a fault
+            log.error("%s %s: %r", request.method, request.url.path, exc)
+        return response
+
+    for exc_type in (
+        BadInput,
+        Conflict,
+        GuardError,
+        RedisConnectionError,
+        RedisTimeoutError,
+        ResponseError,
+    ):
+        app.add_exception_handler(exc_type, handle)
+
+
+# ---- body size ----------------------------------------------------------------------------
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`, checked before the app parses anything.
+
+    The body is read here (it is read whole by the app anyway) so an over-long chunked body
+    gets a clean 413 too, instead of an error half-way through parsing.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # client went away; let the app see the disconnect
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send) -> None:
+        response = _json(
+            413, {"detail": f"request body is over the limit of {self.max_bytes} bytes"}
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": response.raw_headers,
+            }
+        )
+        await send({"type": "http.response.body", "body": bytes(response.body)})

@@ -1,0 +1,107 @@
+"""Idempotency-Key support: a retried add or delete replays its first answer, never runs twice."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi.responses import JSONResponse
+
+from app.errors import BadInput, Conflict, error_response
+
+HEADER = "Idempotency-Key"
+KEY_PATTERN = re.compile(r"^[\x21-\x7e]{1,255}$")  # printable ASCII, no spaces
+_PENDING_MS = 60_000  # a claim outlives any single request, then lets a retry run again
+_POLL_S = 0.05
+
+# Answers worth replaying: the mutation ran (fully, or partly for 507). Any other error
+# changed nothing, so the claim is released and a retry runs for real.
+_STORED = frozenset({200, 201, 507})
+
+# KEYS[1] the claim; ARGV[1] the claim as we wrote it. Reply: 1 released, 0 not ours (any more).
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def fingerprint(method: str, path: str, body: Any) -> str:
+    """Hash of what the request asks for: a key reused for another request is an error."""
+    canonical = json.dumps([method, path, body], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class Idempotency:
+    """Claim a key with SET NX before mutating, store the answer after, replay it on retries."""
+
+    def __init__(self, redis: aioredis.Redis, prefix: str, ttl_s: int, wait_s: float) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.ttl_ms = ttl_s * 1000
+        self.wait_s = wait_s
+        self._release = redis.register_script(_RELEASE)
+
+    def _key(self, filter_name: str, idem_key: str) -> str:
+        # Under the filter's hash tag, so in a cluster it lives in the filter's slot.
+        digest = hashlib.sha256(idem_key.encode()).hexdigest()
+        return f"{self.prefix}app:idem:{{{filter_name}}}:{digest}"
+
+    async def run(
+        self,
+        filter_name: str,
+        idem_key: str | None,
+        request_fp: str,
+        op: Callable[[], Awaitable[JSONResponse]],
+    ) -> JSONResponse:
+        if idem_key is None:
+            return await op()
+        if not KEY_PATTERN.match(idem_key):
+            raise BadInput(("header", HEADER), "must be 1-255 printable ASCII characters")
+        key = self._key(filter_name, idem_key)
+        claim = json.dumps({"state": "pending", "fp": request_fp, "token": uuid.uuid4().hex})
+        deadline = time.monotonic() + self.wait_s
+        while not await self.redis.set(key, claim, nx=True, px=_PENDING_MS):
+            replay = await self._stored(key, request_fp)
+            if replay is not None:
+                return replay
+            if time.monotonic() >= deadline:
+                raise Conflict("a request with this Idempotency-Key is still in progress")
+            await asyncio.sleep(_POLL_S)
+        try:
+            response = await op()
+        except Exception as exc:
+            mapped = error_response(exc)
+            if mapped is None or mapped.status_code not in _STORED:
+                await self._release(keys=[key], args=[claim])
+                raise
+            response = mapped
+        record = {
+            "state": "done",
+            "fp": request_fp,
+            "status": response.status_code,
+            "body": json.loads(bytes(response.body) or b"null"),
+        }
+        await self.redis.set(key, json.dumps(record), px=self.ttl_ms)
+        return response
+
+    async def _stored(self, key: str, request_fp: str) -> JSONResponse | None:
+        """The stored answer for `key`; None while the first request is still running (or
+        released its claim, in which case the caller claims the key itself)."""
+        raw = await self.redis.get(key)
+        if raw is None:
+            return None
+        record = json.loads(raw)
+        if record["fp"] != request_fp:
+            raise BadInput(("header", HEADER), "was already used for a different request")
+        if record["state"] != "done":
+            return None
+        return JSONResponse(
+            record["body"], status_code=record["status"], headers={"Idempotent-Replayed": "true"}
+        )

@@ -1,0 +1,142 @@
+"""The ASGI app: `create_app(settings)` wires everything; clients are built in the lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import ValidationError
+
+from app import errors
+from app.db import open_database
+from app.deps import FilterHandles
+from app.errors import BodyLimitMiddleware
+from app.idempotency import Idempotency
+from app.metrics import Metrics, RequestMetricsMiddleware
+from app.records import RebuildInProgress, RecordStore, RedisDown
+from app.redis_conn import open_redis
+from app.routes import filters, health, records
+from app.settings import Settings
+from guard.middleware import GuardMiddleware
+
+log = logging.getLogger("app")
+
+REBUILD_RETRY_S = 5.0
+
+
+def _records_filter(scope: Any) -> Any:
+    """The records filter handle, from the lifespan state (None before start-up)."""
+    store = scope.get("state", {}).get("records")
+    return None if store is None else store.filter
+
+
+async def _rebuild_once(store: RecordStore) -> bool:
+    """One start-up rebuild attempt; False when Redis is unreachable."""
+    try:
+        await store.rebuild()
+    except RebuildInProgress:
+        log.info("records filter: another process is rebuilding it")
+    except RedisDown as exc:
+        log.warning(
+            "records filter rebuild failed (%r); retrying every %.0f s", exc, REBUILD_RETRY_S
+        )
+        return False
+    return True
+
+
+async def _rebuild_until_done(store: RecordStore) -> None:
+    """Keep trying in the background while Redis is down (the guard fails open meanwhile,
+    so the service stays usable; readers never see the half-built filter)."""
+    while True:
+        await asyncio.sleep(REBUILD_RETRY_S)
+        try:
+            await store.rebuild()
+            log.info("records filter rebuilt after Redis came back")
+            return
+        except RebuildInProgress:
+            return
+        except RedisDown:
+            continue
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings_error: ValidationError | None = None
+    if settings is None:
+        try:
+            settings = Settings()
+        except ValidationError as exc:
+            # Importing app.main must never fail: report bad settings when the app starts.
+            settings_error = exc
+            settings = Settings.model_construct()
+    cfg = settings
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        if not logging.getLogger().handlers:  # leave a host's logging setup alone
+            logging.basicConfig(level=cfg.log_level, format="%(levelname)s %(name)s: %(message)s")
+        if settings_error is not None:
+            raise RuntimeError(f"invalid GUARD_* settings: {settings_error}")
+        if cfg.env == "production" and not cfg.auth_enabled:
+            raise RuntimeError("GUARD_ENV=production needs GUARD_API_KEY")
+        async with AsyncExitStack() as stack:
+            redis = await stack.enter_async_context(open_redis(cfg))
+            db = await open_database(cfg.database_url, cfg.db_latency_ms)
+            stack.push_async_callback(db.close)
+            seeded = await db.seed(cfg.demo_records)
+            if seeded:
+                log.info("seeded %d demo records", seeded)
+            metrics.bind_queries(lambda: db.queries)
+            store = RecordStore(redis, db, cfg, metrics)
+            if cfg.rebuild_on_startup and not await _rebuild_once(store):
+                task = asyncio.create_task(_rebuild_until_done(store))
+                stack.push_async_callback(_cancel, task)
+            yield {
+                "redis": redis,
+                "filters": FilterHandles(redis, cfg.key_prefix, [store.filter]),
+                "db": db,
+                "records": store,
+                "idempotency": Idempotency(
+                    redis, cfg.key_prefix, cfg.idempotency_ttl, cfg.idempotency_wait
+                ),
+            }
+            metrics.bind_queries(None)
+
+    app = FastAPI(
+        title="cuckoo-guard",
+        version="0.1.0",
+        summary="Cuckoo filters in Redis, and a guard that stops requests for absent keys",
+        lifespan=lifespan,
+    )
+    app.state.settings = cfg
+    app.state.metrics = metrics
+    errors.install(app, cfg.retry_after)
+    app.include_router(health.router)
+    app.include_router(filters.router)
+    app.include_router(records.router)
+    # Added innermost first: metrics see every answer, then the body limit, then the guard.
+    app.add_middleware(
+        GuardMiddleware,
+        filter=_records_filter,
+        paths=[r"/records/(?P<key>[^/]+)"],
+        fail_open=cfg.fail_open,
+        cooldown=cfg.redis_cooldown,
+        retry_after=cfg.retry_after,
+        on_decision=metrics.decision,
+    )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, guarded_route="/records/{key}")
+    return app
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with suppress(asyncio.CancelledError, Exception):
+        await task
+
+
+app = create_app()

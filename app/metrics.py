@@ -1,0 +1,143 @@
+"""Prometheus metrics on a per-app registry, the /stats counters, and request timing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+@dataclass
+class Stats:
+    """Plain counters behind GET /stats (this process only)."""
+
+    blocked: int = 0
+    passed: int = 0
+    bypassed: int = 0
+    rejected: int = 0
+    cache_hits: int = 0
+    negative_cache_hits: int = 0
+    false_positives: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class _QueryCollector(Collector):
+    """Reads the database's own query counter at scrape time, so the two never disagree."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], int] | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily("guard_db_queries", "Statements sent to the database")
+        family.add_metric([], float(self.source() if self.source else 0))
+        yield family
+
+
+class Metrics:
+    """Every metric the service exports; one instance (and registry) per app."""
+
+    def __init__(self) -> None:
+        # A registry per app: several apps in one test process must not share counters.
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "guard_http_requests", "HTTP requests", ["route", "method", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "guard_http_request_duration_seconds", "HTTP latency", ["route", "method"], registry=r
+        )
+        self.decisions = Counter(
+            "guard_decisions",
+            "Guard decisions: blocked, passed, bypassed (fail open), rejected (fail closed), "
+            "false_positive",
+            ["decision"],
+            registry=r,
+        )
+        self.cache_hits = Counter("guard_cache_hits", "Record cache hits", ["kind"], registry=r)
+        self.redis_errors = Counter(
+            "guard_redis_errors", "Redis calls that failed", ["where"], registry=r
+        )
+        self.filter_load = Gauge(
+            "guard_filter_load_factor", "Filter load factor", ["filter"], registry=r
+        )
+        self.filter_items = Gauge("guard_filter_items", "Items in a filter", ["filter"], registry=r)
+        self._queries = _QueryCollector()
+        r.register(self._queries)
+        self.stats = Stats()
+
+    def bind_queries(self, source: Callable[[], int] | None) -> None:
+        self._queries.source = source
+
+    def decision(self, decision: str) -> None:
+        """Count a guard decision (called by the guard middleware and the records store)."""
+        self.decisions.labels(decision).inc()
+        if decision == "false_positive":
+            self.stats.false_positives += 1
+        elif hasattr(self.stats, decision):
+            setattr(self.stats, decision, getattr(self.stats, decision) + 1)
+
+    def cache_hit(self, negative: bool) -> None:
+        self.cache_hits.labels("negative" if negative else "positive").inc()
+        if negative:
+            self.stats.negative_cache_hits += 1
+        else:
+            self.stats.cache_hits += 1
+
+    def redis_error(self, where: str) -> None:
+        self.redis_errors.labels(where).inc()
+
+    def set_filters(self, infos: Sequence[Any]) -> None:
+        # clear() first so a dropped filter stops being reported.
+        self.filter_load.clear()
+        self.filter_items.clear()
+        for info in infos:
+            self.filter_load.labels(info.name).set(info.load_factor)
+            self.filter_items.labels(info.name).set(info.items)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestMetricsMiddleware:
+    """Counts and times every HTTP request by route template (not raw path: bounded labels)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, guarded_route: str) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.guarded_route = guarded_route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        start = time.perf_counter()
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = self._route(scope)
+            method = scope["method"]
+            self.metrics.requests.labels(route, method, str(status)).inc()
+            self.metrics.latency.labels(route, method).observe(time.perf_counter() - start)
+
+    def _route(self, scope: Scope) -> str:
+        route = scope.get("route")
+        if route is not None:
+            return str(getattr(route, "path", "other"))
+        # Answered before routing: by the guard (blocked, rejected) or the body limit.
+        return self.guarded_route if "guard.decision" in scope else "unrouted"

@@ -1,0 +1,318 @@
+"""Filter management and item routes."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from app import errors
+from app.deps import (
+    Auth,
+    FilterDep,
+    FiltersDep,
+    IdempotencyDep,
+    RecordsDep,
+    RedisDep,
+    SettingsDep,
+    WritableFilterDep,
+    check_item,
+    check_items,
+)
+from app.errors import BadInput, Conflict
+from app.idempotency import HEADER, fingerprint
+from app.records import RebuildInProgress
+from guard import FilterNotFoundError, list_filters
+
+router = APIRouter(prefix="/filters", tags=["filters"])
+
+IdemKey = Annotated[
+    str | None,
+    Header(alias=HEADER, description="Retries with the same key run once; the answer is replayed"),
+]
+
+
+class FilterInfoOut(BaseModel):
+    name: str
+    capacity: int
+    items: int
+    buckets: int
+    bucket_size: int
+    fingerprint_bits: int
+    max_kicks: int
+    expansion: int
+    subfilters: int
+    load_factor: float
+    memory_bytes: int
+    error_rate: float = Field(description="Estimated from the current load")
+    target_error_rate: float | None = None
+    deletes: int
+    missed_deletes: int
+
+
+class FilterList(BaseModel):
+    filters: list[FilterInfoOut]
+
+
+class ReserveIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    capacity: int = Field(ge=1, description="Items the filter must hold (limit GUARD_MAX_CAPACITY)")
+    error_rate: float | None = Field(None, gt=0, lt=1, description="Target false-positive rate")
+    fingerprint_bits: int | None = Field(None, description="Instead of error_rate")
+    bucket_size: int = 4
+    max_kicks: int = 500
+    expansion: int = Field(2, description="Growth factor when full; 0 = fixed size")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> ReserveIn:
+        if self.error_rate is not None and self.fingerprint_bits is not None:
+            raise ValueError("give error_rate or fingerprint_bits, not both")
+        return self
+
+
+class ItemsIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[str] = Field(description="1-GUARD_MAX_BATCH strings of 1-GUARD_MAX_ITEM_BYTES")
+
+
+class AddIn(ItemsIn):
+    unique: bool = Field(False, description="Skip items that are probably present already")
+
+
+class Results(BaseModel):
+    results: list[bool]
+
+
+class Added(BaseModel):
+    added: bool
+
+
+class Exists(BaseModel):
+    exists: bool
+
+
+class Deleted(BaseModel):
+    deleted: bool
+
+
+def _info(info: Any) -> dict[str, Any]:
+    data: dict[str, Any] = info.as_dict()
+    return data
+
+
+@router.get("", response_model=FilterList, responses=errors.UNAVAILABLE)
+async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
+    """Every filter with its info."""
+    infos = []
+    for name in await list_filters(redis, prefix=filters.prefix):
+        try:
+            infos.append(_info(await filters.get(name).info()))
+        except FilterNotFoundError:
+            continue  # dropped since the listing
+    return {"filters": infos}
+
+
+@router.put(
+    "/{name}",
+    status_code=201,
+    response_model=FilterInfoOut,
+    dependencies=[Auth],
+    responses={**errors.UNAUTHORIZED, **errors.CONFLICT, **errors.TOO_LARGE, **errors.COMMON},
+)
+async def create(body: ReserveIn, cf: WritableFilterDep, settings: SettingsDep) -> Any:
+    """Create a filter. 409 if it exists."""
+    if body.capacity > settings.max_capacity:
+        raise BadInput(("body", "capacity"), f"must be at most {settings.max_capacity}")
+    info = await cf.reserve(
+        body.capacity,
+        error_rate=body.error_rate,
+        fingerprint_bits=body.fingerprint_bits,
+        bucket_size=body.bucket_size,
+        max_kicks=body.max_kicks,
+        expansion=body.expansion,
+    )
+    return _info(info)
+
+
+@router.get(
+    "/{name}", response_model=FilterInfoOut, responses={**errors.NOT_FOUND, **errors.COMMON}
+)
+async def get(cf: FilterDep) -> Any:
+    """A filter's info."""
+    return _info(await cf.info())
+
+
+@router.delete(
+    "/{name}",
+    status_code=204,
+    dependencies=[Auth],
+    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.CONFLICT, **errors.COMMON},
+)
+async def drop(cf: WritableFilterDep) -> Response:
+    """Delete a filter and everything in it."""
+    if not await cf.drop():
+        raise FilterNotFoundError(f"filter {cf.name!r} does not exist")
+    return Response(status_code=204)
+
+
+@router.post(
+    "/{name}/add",
+    response_model=Results,
+    dependencies=[Auth],
+    responses={
+        **errors.UNAUTHORIZED,
+        **errors.NOT_FOUND,
+        **errors.CONFLICT,
+        **errors.TOO_LARGE,
+        **errors.FULL,
+        **errors.COMMON,
+    },
+)
+async def add(
+    body: AddIn,
+    request: Request,
+    cf: WritableFilterDep,
+    settings: SettingsDep,
+    idem: IdempotencyDep,
+    idempotency_key: IdemKey = None,
+) -> JSONResponse:
+    """Add items; `results[i]` is False where `unique` skipped an item. 507 when a fixed-size
+    filter fills up, with `results` saying which items were added."""
+    check_items(body.items, settings)
+
+    async def op() -> JSONResponse:
+        return JSONResponse({"results": await cf.insert_many(body.items, unique=body.unique)})
+
+    fp = fingerprint("POST", request.url.path, body.model_dump())
+    return await idem.run(cf.name, idempotency_key, fp, op)
+
+
+@router.post(
+    "/{name}/check",
+    response_model=Results,
+    responses={**errors.NOT_FOUND, **errors.TOO_LARGE, **errors.COMMON},
+)
+async def check(body: ItemsIn, cf: FilterDep, settings: SettingsDep) -> Any:
+    """Which items are probably present (False is certain, True may be a false positive)."""
+    check_items(body.items, settings)
+    return {"results": await cf.lookup_many(body.items)}
+
+
+@router.post(
+    "/{name}/delete",
+    response_model=Results,
+    dependencies=[Auth],
+    responses={
+        **errors.UNAUTHORIZED,
+        **errors.NOT_FOUND,
+        **errors.CONFLICT,
+        **errors.TOO_LARGE,
+        **errors.COMMON,
+    },
+)
+async def delete_items(
+    body: ItemsIn,
+    request: Request,
+    cf: WritableFilterDep,
+    settings: SettingsDep,
+    idem: IdempotencyDep,
+    idempotency_key: IdemKey = None,
+) -> JSONResponse:
+    """Delete items (only ones that were added: deleting others can cause false negatives)."""
+    check_items(body.items, settings)
+
+    async def op() -> JSONResponse:
+        return JSONResponse({"results": await cf.delete_many(body.items)})
+
+    fp = fingerprint("POST", request.url.path, body.model_dump())
+    return await idem.run(cf.name, idempotency_key, fp, op)
+
+
+@router.post(
+    "/{name}/rebuild",
+    response_model=FilterInfoOut,
+    dependencies=[Auth],
+    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.CONFLICT, **errors.COMMON},
+)
+async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
+    """Rebuild a table-backed filter from its table, swapping it in atomically. 409 for a
+    filter no table backs, or while another rebuild runs."""
+    if cf.name != records.filter.name:
+        if not await cf.exists():
+            raise FilterNotFoundError(f"filter {cf.name!r} does not exist")
+        raise Conflict(f"filter {cf.name!r} is not backed by a table")
+    try:
+        return _info(await records.rebuild())
+    except RebuildInProgress as exc:
+        raise Conflict(str(exc)) from None
+
+
+@router.put(
+    "/{name}/items/{item:path}",
+    status_code=201,
+    response_model=Added,
+    dependencies=[Auth],
+    responses={
+        200: {"model": Added, "description": "Probably present already; not added again"},
+        **errors.UNAUTHORIZED,
+        **errors.NOT_FOUND,
+        **errors.CONFLICT,
+        **errors.FULL,
+        **errors.COMMON,
+    },
+)
+async def put_item(
+    item: str,
+    request: Request,
+    cf: WritableFilterDep,
+    settings: SettingsDep,
+    idem: IdempotencyDep,
+    idempotency_key: IdemKey = None,
+) -> JSONResponse:
+    """Add one item unless it is probably present: 201 added, 200 already there."""
+    check_item(item, settings, ("path", "item"))
+
+    async def op() -> JSONResponse:
+        added = await cf.insert_unique(item)
+        return JSONResponse({"added": added}, status_code=201 if added else 200)
+
+    return await idem.run(cf.name, idempotency_key, fingerprint("PUT", request.url.path, None), op)
+
+
+@router.get(
+    "/{name}/items/{item:path}",
+    response_model=Exists,
+    responses={**errors.NOT_FOUND, **errors.COMMON},
+)
+async def get_item(item: str, cf: FilterDep, settings: SettingsDep) -> Any:
+    """Whether one item is probably present."""
+    check_item(item, settings, ("path", "item"))
+    return {"exists": await cf.lookup(item)}
+
+
+@router.delete(
+    "/{name}/items/{item:path}",
+    response_model=Deleted,
+    dependencies=[Auth],
+    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.CONFLICT, **errors.COMMON},
+)
+async def delete_item(
+    item: str,
+    request: Request,
+    cf: WritableFilterDep,
+    settings: SettingsDep,
+    idem: IdempotencyDep,
+    idempotency_key: IdemKey = None,
+) -> JSONResponse:
+    """Delete one item."""
+    check_item(item, settings, ("path", "item"))
+
+    async def op() -> JSONResponse:
+        return JSONResponse({"deleted": await cf.delete(item)})
+
+    fp = fingerprint("DELETE", request.url.path, None)
+    return await idem.run(cf.name, idempotency_key, fp, op)

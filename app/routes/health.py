@@ -1,0 +1,83 @@
+"""Operational routes: health, Prometheus metrics, and the guard's counters."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+from app.deps import DbDep, FiltersDep, MetricsDep, RedisDep, SettingsDep
+from app.records import RedisDown
+from guard import FilterNotFoundError, GuardError, list_filters
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["operations"])
+
+MAX_FILTER_GAUGES = 200  # a scrape must stay cheap however many filters there are
+
+
+class Health(BaseModel):
+    status: str
+    redis: str
+
+
+class StatsOut(BaseModel):
+    db_queries: int
+    blocked: int
+    passed: int
+    bypassed: int
+    rejected: int
+    cache_hits: int
+    negative_cache_hits: int
+    false_positives: int
+
+
+@router.get(
+    "/health",
+    response_model=Health,
+    responses={503: {"model": Health, "description": "Redis unreachable"}},
+)
+async def health(redis: RedisDep, metrics: MetricsDep, settings: SettingsDep) -> Any:
+    """200 when Redis answers a PING, else 503."""
+    try:
+        await redis.ping()
+    except RedisDown:
+        metrics.redis_error("health")
+        return JSONResponse(
+            {"status": "unavailable", "redis": "unreachable"},
+            status_code=503,
+            headers={"Retry-After": str(settings.retry_after)},
+        )
+    return {"status": "ok", "redis": "ok"}
+
+
+@router.get(
+    "/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}}
+)
+async def metrics_route(
+    redis: RedisDep, filters: FiltersDep, metrics: MetricsDep, settings: SettingsDep
+) -> Response:
+    """Prometheus text format. Per-filter gauges are read at scrape time (skipped if Redis
+    is down: a scrape never fails because of Redis)."""
+    try:
+        infos = []
+        for name in (await list_filters(redis, prefix=settings.key_prefix))[:MAX_FILTER_GAUGES]:
+            try:
+                infos.append(await filters.get(name).info())
+            except FilterNotFoundError:
+                continue
+        metrics.set_filters(infos)
+    except (*RedisDown, GuardError) as exc:
+        metrics.redis_error("metrics")
+        log.debug("metrics: filter gauges skipped: %r", exc)
+    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/stats", response_model=StatsOut)
+async def stats(metrics: MetricsDep, db: DbDep) -> Any:
+    """Counters of this process: database queries and the guard's decisions."""
+    return {"db_queries": db.queries, **metrics.stats.as_dict()}

@@ -1,0 +1,83 @@
+"""The guarded resource: records in the backing database, behind the guard middleware."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from app import errors
+from app.deps import Auth, RecordsDep, SettingsDep, check_item
+
+router = APIRouter(prefix="/records", tags=["records"])
+
+NOT_FOUND: errors.Responses = {404: {"model": errors.ErrorBody, "description": "No such record"}}
+
+
+class RecordIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    value: Any = Field(description="Any JSON value")
+
+
+class RecordOut(BaseModel):
+    key: str
+    value: Any
+
+
+@router.head("/{key}", include_in_schema=False)  # HEAD is guarded too
+@router.get(
+    "/{key}",
+    response_model=RecordOut,
+    responses={
+        **NOT_FOUND,
+        **errors.INVALID,
+        503: {"model": errors.ErrorBody, "description": "Guard filter unavailable (fail closed)"},
+    },
+)
+async def get_record(key: str, request: Request, records: RecordsDep, settings: SettingsDep) -> Any:
+    """A record. The guard middleware answers 404 (`X-Guard: blocked`) for keys the filter has
+    never seen, before the database is asked."""
+    check_item(key, settings, ("path", "key"))
+    suspect = request.scope.get("guard.decision") == "passed"
+    found, value = await records.get(key, suspect=suspect)
+    if not found:
+        return JSONResponse({"detail": "Not Found"}, status_code=404)
+    return {"key": key, "value": value}
+
+
+@router.put(
+    "/{key}",
+    response_model=RecordOut,
+    status_code=201,
+    dependencies=[Auth],
+    responses={
+        200: {"model": RecordOut, "description": "Replaced an existing record"},
+        **errors.UNAUTHORIZED,
+        **errors.TOO_LARGE,
+        **errors.FULL,
+        **errors.COMMON,
+    },
+)
+async def put_record(key: str, body: RecordIn, records: RecordsDep, settings: SettingsDep) -> Any:
+    """Create (201) or replace (200) a record. A new key enters the filter before the row
+    becomes visible."""
+    check_item(key, settings, ("path", "key"))
+    created = await records.put(key, body.value)
+    return JSONResponse({"key": key, "value": body.value}, status_code=201 if created else 200)
+
+
+@router.delete(
+    "/{key}",
+    status_code=204,
+    dependencies=[Auth],
+    responses={**NOT_FOUND, **errors.UNAUTHORIZED, **errors.COMMON},
+)
+async def delete_record(key: str, records: RecordsDep, settings: SettingsDep) -> Response:
+    """Delete a record; its key leaves the filter only once the database deleted a row."""
+    check_item(key, settings, ("path", "key"))
+    if not await records.delete(key):
+        return JSONResponse({"detail": "Not Found"}, status_code=404)
+    return Response(status_code=204)

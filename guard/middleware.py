@@ -1,0 +1,182 @@
+"""Pure-ASGI middleware: answer 404 at once for keys the filter has never seen."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any, Protocol
+
+log = logging.getLogger("guard.middleware")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class Lookup(Protocol):
+    """Anything with an async membership test; a `guard.CuckooFilter` is one."""
+
+    async def lookup(self, item: str) -> bool: ...
+
+
+FilterSource = Lookup | Callable[[Scope], Lookup | None]
+KeyExtractor = Callable[[Scope, re.Match[str]], str | None]
+
+BLOCKED, PASSED, BYPASSED, REJECTED = "blocked", "passed", "bypassed", "rejected"
+
+
+def key_from_match(scope: Scope, match: re.Match[str]) -> str | None:
+    """Default extractor: the pattern's `key` group, else its first group."""
+    if "key" in match.re.groupindex:
+        return match.group("key")
+    return match.group(1) if match.re.groups else None
+
+
+class GuardMiddleware:
+    """Guards GET/HEAD requests whose path matches one of `paths`.
+
+    The filter says absent → 404 `{"detail": "Not Found"}` with `X-Guard: blocked` and the
+    app is never called. Otherwise the request goes on with `X-Guard: passed`, and the
+    decision is left in `scope["guard.decision"]` so the app can count false positives.
+
+    When the lookup fails (Redis down, filter missing), `fail_open=True` lets the request
+    through (`X-Guard: bypassed`) because the filter only saves work and the database still
+    answers correctly; `fail_open=False` answers 503 with Retry-After. A missing filter is
+    always bypassed: with no filter there is nothing to say a key is absent. After a failure
+    the filter is left alone for `cooldown` seconds, and the failure is logged once per
+    incident, not once per request.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        filter: FilterSource,
+        paths: Iterable[str | re.Pattern[str]],
+        key: KeyExtractor = key_from_match,
+        methods: Iterable[str] = ("GET", "HEAD"),
+        fail_open: bool = True,
+        cooldown: float = 1.0,
+        retry_after: int = 1,
+        on_decision: Callable[[str], None] | None = None,
+        missing: tuple[type[BaseException], ...] | None = None,
+    ) -> None:
+        self.app = app
+        self.filter = filter
+        self.paths = [re.compile(p) if isinstance(p, str) else p for p in paths]
+        self.key = key
+        self.methods = frozenset(m.upper() for m in methods)
+        self.fail_open = fail_open
+        self.cooldown = cooldown
+        self.retry_after = retry_after
+        self.on_decision = on_decision
+        if missing is None:
+            # Imported here, not at module level: `guard` may import this module.
+            from guard import FilterNotFoundError
+
+            missing = (FilterNotFoundError,)
+        self.missing = missing
+        self._incident_since: float | None = None
+        self._skip_until = 0.0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = self._guarded_key(scope)
+        if key is None:
+            await self.app(scope, receive, send)
+            return
+        decision = await self._decide(scope, key)
+        if self.on_decision is not None:
+            self.on_decision(decision)
+        # Set on the scope itself rather than a copy, so outer middleware (metrics) sees it,
+        # as it sees what the router adds.
+        scope["guard.decision"] = decision
+        if decision == BLOCKED:
+            await self._answer(scope, send, 404, {"detail": "Not Found"}, decision)
+        elif decision == REJECTED:
+            body = {"detail": "Guard filter unavailable"}
+            await self._answer(scope, send, 503, body, decision, self.retry_after)
+        else:
+            await self.app(scope, receive, _tagged(send, decision))
+
+    def _guarded_key(self, scope: Scope) -> str | None:
+        if scope["type"] != "http" or scope["method"] not in self.methods:
+            return None
+        for pattern in self.paths:
+            match = pattern.fullmatch(scope["path"])
+            if match is not None:
+                return self.key(scope, match) or None
+        return None
+
+    async def _decide(self, scope: Scope, key: str) -> str:
+        source = self.filter
+        cf = source if hasattr(source, "lookup") else source(scope)  # type: ignore[operator]
+        if cf is None:
+            return BYPASSED
+        if time.monotonic() < self._skip_until:
+            return BYPASSED if self.fail_open else REJECTED
+        try:
+            present = await cf.lookup(key)
+        except self.missing:
+            self._recovered()  # Redis answered; there is just no filter to ask
+            return BYPASSED
+        except Exception as exc:  # any failure: the guard must never turn a read into a 500
+            self._failed(exc)
+            return BYPASSED if self.fail_open else REJECTED
+        self._recovered()
+        return PASSED if present else BLOCKED
+
+    def _failed(self, exc: Exception) -> None:
+        self._skip_until = time.monotonic() + self.cooldown
+        if self._incident_since is None:
+            self._incident_since = time.monotonic()
+            policy = "failing open" if self.fail_open else "failing closed (503)"
+            log.warning("guard filter unavailable, %s: %r", policy, exc)
+
+    def _recovered(self) -> None:
+        if self._incident_since is not None:
+            log.warning(
+                "guard filter reachable again after %.1f s", time.monotonic() - self._incident_since
+            )
+            self._incident_since = None
+
+    @staticmethod
+    async def _answer(
+        scope: Scope,
+        send: Send,
+        status: int,
+        body: dict[str, str],
+        decision: str,
+        retry_after: int | None = None,
+    ) -> None:
+        # Sent by hand: exceptions raised in middleware never reach the app's handlers.
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            (b"x-guard", decision.encode()),
+        ]
+        if retry_after is not None:
+            headers.append((b"retry-after", str(retry_after).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send(
+            {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else payload}
+        )
+
+
+def _tagged(send: Send, decision: str) -> Send:
+    """Wrap `send` so the response carries `X-Guard: <decision>`."""
+
+    async def wrapper(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {
+                **message,
+                "headers": [*message.get("headers", []), (b"x-guard", decision.encode())],
+            }
+        await send(message)
+
+    return wrapper

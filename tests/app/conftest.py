@@ -1,0 +1,132 @@
+"""Service test fixtures: the app started through its lifespan, on real Redis and fakeredis.
+
+Real Redis: GUARD_TEST_APP_REDIS_URL (default 127.0.0.1:6379 DB 14, shared with CI, so every
+test uses its own key prefix and deletes its keys); when nothing answers there, the session
+starts its own redis-server. Never skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import redis.asyncio as aioredis
+from asgi_lifespan import LifespanManager
+
+from app.db import SQLiteDatabase
+from app.main import create_app
+from app.records import RecordStore
+from app.settings import Settings
+from tests.redis_server import RedisProcess, reachable
+
+BACKENDS = ["redis", "fakeredis"]
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="session")
+def app_redis_url() -> Iterator[str]:
+    url = os.environ.get("GUARD_TEST_APP_REDIS_URL", "redis://127.0.0.1:6379/14")
+    if reachable(url):
+        yield url
+        return
+    server = RedisProcess.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@dataclass
+class Service:
+    """A running app: its HTTP client and what its lifespan built."""
+
+    client: httpx.AsyncClient
+    state: dict[str, Any]
+    settings: Settings
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        r: aioredis.Redis = self.state["redis"]
+        return r
+
+    @property
+    def db(self) -> SQLiteDatabase:
+        db: SQLiteDatabase = self.state["db"]
+        return db
+
+    @property
+    def records(self) -> RecordStore:
+        store: RecordStore = self.state["records"]
+        return store
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def make_settings(
+    request: pytest.FixtureRequest, backend: str, tmp_path: Path
+) -> Iterator[Callable[..., Settings]]:
+    """Settings for one test: own key prefix, own SQLite file, the backend under test."""
+    prefix = f"test:app:{uuid.uuid4().hex[:12]}:"
+    url = request.getfixturevalue("app_redis_url") if backend == "redis" else "memory://"
+
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "redis_url": url,
+            "key_prefix": prefix,
+            "database_url": f"sqlite:///{tmp_path / 'records.db'}",
+            "api_key": API_KEY,
+            "demo_records": 50,
+            "embedded_redis_file": str(tmp_path / "redis.rdb"),
+        }
+        values.update(overrides)
+        return Settings(**values)
+
+    yield make
+    if backend == "redis":
+        client = redis.Redis.from_url(url)
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+StartService = Callable[..., Awaitable[Service]]
+
+
+@pytest.fixture
+async def start(make_settings: Callable[..., Settings]) -> AsyncIterator[StartService]:
+    """`await start(**settings)` runs an app through its lifespan; stopped after the test."""
+    stack = AsyncExitStack()
+
+    async def run(**overrides: Any) -> Service:
+        settings = make_settings(**overrides)
+        manager = await stack.enter_async_context(LifespanManager(create_app(settings)))
+        client = await stack.enter_async_context(
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=manager.app), base_url="http://test"
+            )
+        )
+        # LifespanManager keeps the lifespan's state dict here; the app gets it per request.
+        return Service(client, manager._state, settings)
+
+    async with stack:
+        yield run
+
+
+@pytest.fixture
+async def svc(start: StartService) -> Service:
+    """The default service: 50 demo records, API key set, fail open."""
+    return await start()

@@ -1,0 +1,114 @@
+"""The curl examples of docs/service.md, run as they stand against a real uvicorn."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "service.md"
+BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+EXPECT = re.compile(r"^# → (\d{3})\b", re.M)
+API_KEY = "docs-example-key"
+
+
+def examples() -> list[str]:
+    return BLOCK.findall(DOC.read_text())
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> Iterator[str]:
+    """uvicorn app.main:app on a free port, configured through GUARD_* variables only."""
+    port = free_port()
+    prefix = f"test:docs:{uuid.uuid4().hex[:12]}:"
+    redis_url = request.getfixturevalue("app_redis_url") if backend == "redis" else "memory://"
+    env = {
+        **os.environ,
+        "GUARD_REDIS_URL": redis_url,
+        "GUARD_KEY_PREFIX": prefix,
+        "GUARD_DATABASE_URL": f"sqlite:///{tmp_path}/records.db",
+        "GUARD_API_KEY": API_KEY,
+        "GUARD_DEMO_RECORDS": "100",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1",
+         "--port", str(port), "--log-level", "warning"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                err = proc.stderr.read().decode() if proc.stderr else ""
+                raise RuntimeError(f"uvicorn did not start: {err}")
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if backend == "redis":
+            client = redis.Redis.from_url(redis_url)
+            keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+            if keys:
+                client.delete(*keys)
+            client.close()
+
+
+def test_doc_has_an_example_for_every_route() -> None:
+    text = "\n".join(examples())
+    for needle in [
+        "/health", "/metrics", "/stats", "-X PUT localhost:8000/filters/users ",
+        "localhost:8000/filters/users\n", "localhost:8000/filters\n", "/add", "/check",
+        "/filters/users/delete", "-X PUT localhost:8000/filters/users/items/",
+        "localhost:8000/filters/users/items/dave\n",
+        "-X DELETE localhost:8000/filters/users/items/", "-X DELETE localhost:8000/filters/users ",
+        "/records/user-42", "-X PUT localhost:8000/records/", "-X DELETE localhost:8000/records/",
+        "/rebuild",
+    ]:  # fmt: skip
+        assert needle in text, needle
+
+
+def test_every_example_runs(server: str, tmp_path: Path) -> None:
+    blocks = examples()
+    assert len(blocks) >= 20
+    codes_file = tmp_path / "codes"
+    # Each curl also writes its status code to a file, which the test compares with the
+    # "# → NNN" comments of the block, in order.
+    prelude = (
+        'curl() { command curl -sS -o /dev/null -w \'%{http_code}\\n\' "$@" >> "$CODES"; }\n'
+        "set -e\n"
+    )
+    for block in blocks:
+        expected = EXPECT.findall(block)
+        assert expected, f"example without '# → status':\n{block}"
+        codes_file.write_text("")
+        script = prelude + block.replace("localhost:8000", server)
+        run = subprocess.run(
+            ["bash", "-c", script],
+            env={**os.environ, "GUARD_API_KEY": API_KEY, "CODES": str(codes_file)},
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert run.returncode == 0, f"{block}\n{run.stderr}"
+        assert codes_file.read_text().split() == expected, block

@@ -1,0 +1,170 @@
+"""The guarded resource: blocking, caches, single-flight, the filter following the table."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.app.conftest import AUTH, Service, StartService
+
+
+async def queries(svc: Service) -> int:
+    return int((await svc.client.get("/stats")).json()["db_queries"])
+
+
+class TestRoutes:
+    """GET / PUT / DELETE /records/{key} and /stats."""
+
+    async def test_get_seeded_record(self, svc: Service) -> None:
+        r = await svc.client.get("/records/user-7")
+        assert r.status_code == 200 and r.json() == {"key": "user-7", "value": "value-7"}
+        assert r.headers["x-guard"] == "passed"
+
+    async def test_put_new_is_201_then_replace_is_200(self, svc: Service) -> None:
+        r = await svc.client.put("/records/k", json={"value": {"a": [1, 2]}}, headers=AUTH)
+        assert r.status_code == 201 and r.json() == {"key": "k", "value": {"a": [1, 2]}}
+        r = await svc.client.put("/records/k", json={"value": "v2"}, headers=AUTH)
+        assert r.status_code == 200
+        assert (await svc.client.get("/records/k")).json() == {"key": "k", "value": "v2"}
+
+    async def test_delete_is_204_then_404(self, svc: Service) -> None:
+        r = await svc.client.delete("/records/user-1", headers=AUTH)
+        assert r.status_code == 204 and r.content == b""
+        r = await svc.client.delete("/records/user-1", headers=AUTH)
+        assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+        assert (await svc.client.get("/records/user-1")).status_code == 404
+
+    async def test_put_body_errors(self, svc: Service) -> None:
+        r = await svc.client.put("/records/k", json={"valu": 1}, headers=AUTH)
+        assert r.status_code == 422
+        r = await svc.client.put("/records/" + "k" * 1025, json={"value": 1}, headers=AUTH)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["path", "key"]
+
+    async def test_stats_fields(self, svc: Service) -> None:
+        body = (await svc.client.get("/stats")).json()
+        expected = {"db_queries", "blocked", "passed", "cache_hits", "negative_cache_hits",
+                    "false_positives"}  # fmt: skip
+        assert expected <= body.keys()
+
+
+class TestGuard:
+    """The filter answers for absent keys; the database is asked only for maybe-present ones."""
+
+    async def test_blocked_request_makes_zero_queries(self, svc: Service) -> None:
+        before = svc.db.queries
+        for i in range(20):
+            r = await svc.client.get(f"/records/absent-{i}")
+            assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+            assert r.headers["x-guard"] == "blocked"
+        assert svc.db.queries == before  # the database's own counter
+        stats = (await svc.client.get("/stats")).json()
+        assert stats["blocked"] == 20 and stats["db_queries"] == before
+
+    async def test_head_is_guarded_too(self, svc: Service) -> None:
+        before = svc.db.queries
+        r = await svc.client.head("/records/absent")
+        assert r.status_code == 404 and r.headers["x-guard"] == "blocked" and r.content == b""
+        assert svc.db.queries == before
+        r = await svc.client.head("/records/user-1")
+        assert r.status_code == 200 and r.content == b""
+
+    async def test_present_key_is_cached(self, svc: Service) -> None:
+        await svc.client.get("/records/user-3")
+        before = svc.db.queries
+        for _ in range(5):
+            assert (await svc.client.get("/records/user-3")).json()["value"] == "value-3"
+        assert svc.db.queries == before
+        assert (await svc.client.get("/stats")).json()["cache_hits"] >= 5
+
+    async def test_false_positive_is_counted_and_negatively_cached(self, svc: Service) -> None:
+        # A fingerprint with no row behind it: what a false positive looks like.
+        await svc.records.filter.insert("ghost")
+        before = svc.db.queries
+        for _ in range(5):
+            r = await svc.client.get("/records/ghost")
+            assert r.status_code == 404 and r.headers["x-guard"] == "passed"
+        assert svc.db.queries == before + 1  # one query, then the negative cache answers
+        stats = (await svc.client.get("/stats")).json()
+        assert stats["false_positives"] == 1 and stats["negative_cache_hits"] == 4
+
+    async def test_negative_entry_expires(self, start: StartService) -> None:
+        svc = await start(negative_ttl=0.05)
+        await svc.records.filter.insert("ghost")
+        await svc.client.get("/records/ghost")
+        await asyncio.sleep(0.2)
+        before = svc.db.queries
+        await svc.client.get("/records/ghost")
+        assert svc.db.queries == before + 1
+
+    async def test_put_clears_negative_entry(self, svc: Service) -> None:
+        await svc.records.filter.insert("later")
+        assert (await svc.client.get("/records/later")).status_code == 404  # cached negative
+        await svc.client.put("/records/later", json={"value": 1}, headers=AUTH)
+        assert (await svc.client.get("/records/later")).json() == {"key": "later", "value": 1}
+
+    async def test_put_replaces_cached_value(self, svc: Service) -> None:
+        await svc.client.get("/records/user-2")  # now cached
+        await svc.client.put("/records/user-2", json={"value": "new"}, headers=AUTH)
+        assert (await svc.client.get("/records/user-2")).json()["value"] == "new"
+
+    async def test_concurrent_misses_make_one_query(self, start: StartService) -> None:
+        svc = await start(db_latency_ms=200)  # wide enough for all 20 to overlap
+        before = svc.db.queries
+        rs = await asyncio.gather(*(svc.client.get("/records/user-9") for _ in range(20)))
+        assert all(r.json()["value"] == "value-9" for r in rs)
+        assert svc.db.queries == before + 1
+
+    async def test_concurrent_false_positives_make_one_query(self, start: StartService) -> None:
+        svc = await start(db_latency_ms=200)  # wide enough for all 20 to overlap
+        await svc.records.filter.insert("ghost")
+        before = svc.db.queries
+        rs = await asyncio.gather(*(svc.client.get("/records/ghost") for _ in range(20)))
+        assert all(r.status_code == 404 for r in rs)
+        assert svc.db.queries == before + 1
+        assert (await svc.client.get("/stats")).json()["false_positives"] == 1
+
+    async def test_unguarded_routes_pass_untouched(self, svc: Service) -> None:
+        r = await svc.client.get("/filters")
+        assert "x-guard" not in r.headers
+
+
+class TestFilterFollowsTable:
+    """One fingerprint per row: PUT new adds one, replace adds none, DELETE removes one."""
+
+    async def test_one_copy_per_row(self, svc: Service) -> None:
+        cf = svc.records.filter
+        assert await cf.count("new-key") == 0
+        await svc.client.put("/records/new-key", json={"value": 1}, headers=AUTH)
+        assert await cf.count("new-key") == 1
+        await svc.client.put("/records/new-key", json={"value": 2}, headers=AUTH)
+        assert await cf.count("new-key") == 1
+        await svc.client.delete("/records/new-key", headers=AUTH)
+        assert await cf.count("new-key") == 0
+        await svc.client.delete("/records/new-key", headers=AUTH)  # 404: nothing removed
+        assert (await cf.info()).missed_deletes == 0
+
+    async def test_concurrent_puts_of_one_key_add_one_copy(self, svc: Service) -> None:
+        rs = await asyncio.gather(
+            *(svc.client.put("/records/race", json={"value": i}, headers=AUTH) for i in range(10))
+        )
+        assert sorted(r.status_code for r in rs) == [200] * 9 + [201]
+        assert await svc.records.filter.count("race") == 1
+
+    async def test_filter_failure_leaves_no_row(self, svc: Service) -> None:
+        await svc.records.filter.drop()
+        await svc.records.filter.reserve(1, expansion=0, bucket_size=1, fingerprint_bits=4)
+        codes = []
+        for i in range(40):
+            r = await svc.client.put(f"/records/f{i}", json={"value": i}, headers=AUTH)
+            codes.append(r.status_code)
+            if r.status_code == 507:
+                assert await svc.db.get(f"f{i}") is None  # the insert rolled back
+                break
+        assert codes[-1] == 507 and set(codes[:-1]) <= {201}
+
+    async def test_items_match_rows_after_traffic(self, svc: Service) -> None:
+        for i in range(30):
+            await svc.client.put(f"/records/t{i}", json={"value": i}, headers=AUTH)
+        for i in range(0, 30, 3):
+            await svc.client.delete(f"/records/t{i}", headers=AUTH)
+        info = await svc.records.filter.info()
+        assert info.items == await svc.db.count() == 50 + 20

@@ -1,0 +1,108 @@
+"""Fixtures: every filter test runs on a real Redis server and on fakeredis.
+
+The real server is the one at GUARD_TEST_REDIS_URL (default: 127.0.0.1:6379, DB 12); when none
+answers there, the session starts its own redis-server. A real-Redis test never skips: if no
+server can be had, it errors. With GUARD_REQUIRE_REAL_REDIS=1 (set by .ci/run) the session also
+fails when no real-Redis test ran at all.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import fakeredis
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from tests.redis_server import RedisProcess, default_url, reachable
+
+BACKENDS = ["redis", "fakeredis"]
+_real_redis_tests = {"count": 0}
+
+
+@pytest.fixture(scope="session")
+def real_redis_url() -> Iterator[str]:
+    url = default_url()
+    if reachable(url):
+        yield url
+        return
+    server = RedisProcess.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"test:{uuid.uuid4().hex[:12]}:"
+
+
+def _cleanup(client: redis.Redis, prefix: str) -> None:
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture(scope="session")
+def fake_server() -> fakeredis.FakeServer:
+    return fakeredis.FakeServer()
+
+
+@pytest.fixture(params=BACKENDS)
+def sync_redis(
+    request: pytest.FixtureRequest, prefix: str, fake_server: fakeredis.FakeServer
+) -> Iterator[redis.Redis]:
+    if request.param == "redis":
+        client = redis.Redis.from_url(request.getfixturevalue("real_redis_url"))
+        _real_redis_tests["count"] += 1
+    else:
+        client = fakeredis.FakeRedis(server=fake_server)
+    try:
+        yield client
+    finally:
+        _cleanup(client, prefix)
+        client.close()
+
+
+@pytest.fixture(params=BACKENDS)
+async def async_redis(
+    request: pytest.FixtureRequest, prefix: str, fake_server: fakeredis.FakeServer
+) -> AsyncIterator[aioredis.Redis]:
+    if request.param == "redis":
+        client = aioredis.Redis.from_url(request.getfixturevalue("real_redis_url"))
+        _real_redis_tests["count"] += 1
+    else:
+        client = fakeredis.FakeAsyncRedis(server=fake_server)
+    try:
+        yield client
+    finally:
+        keys = [k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+@pytest.fixture
+def real_redis(real_redis_url: str, prefix: str) -> Iterator[redis.Redis]:
+    """The real server only: for what fakeredis cannot show (threads, SCRIPT FLUSH, memory)."""
+    client = redis.Redis.from_url(real_redis_url)
+    _real_redis_tests["count"] += 1
+    try:
+        yield client
+    finally:
+        _cleanup(client, prefix)
+        client.close()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get("GUARD_REQUIRE_REAL_REDIS") == "1" and _real_redis_tests["count"] == 0:
+        print("\nERROR: no test ran against a real Redis server (GUARD_REQUIRE_REAL_REDIS=1)")
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    terminalreporter.write_line(f"real-redis tests run: {_real_redis_tests['count']}")
