@@ -21,9 +21,20 @@ from guard.errors import (
     InvalidParameterError,
 )
 
-NAMES = ("reserve", "lookup", "count", "insert", "delete", "info", "drop", "promote")
+# Each script is its operation's file after the shared pieces it uses: a script defines only
+# the functions it calls, since defining them is part of every call's cost.
+PIECES = {
+    "reserve": ("_common",),
+    "lookup": ("_common",),
+    "count": ("_common", "_store"),
+    "insert": ("_common", "_store"),
+    "delete": ("_common", "_store"),
+    "info": ("_common",),
+    "drop": ("_common",),
+    "promote": ("_common",),
+}
 
-# Reply status codes, as in _prelude.lua.
+# Reply status codes, as in _common.lua.
 OK, STALE, FULL, NEEDKEYS = 0, 1, 2, 3
 
 _CODES: dict[str, type[GuardError]] = {
@@ -38,12 +49,13 @@ _GUARD_REPLY = re.compile(r"GUARD_([A-Z]+) ?([^\n]*?)(?: script: .*)?$", re.S)
 @cache
 def source(name: str) -> str:
     lua = files("guard") / "lua"
-    return (lua / "_prelude.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+    parts = [*PIECES[name], name]
+    return "\n".join((lua / f"{part}.lua").read_text() for part in parts)
 
 
 def register(client: Any) -> dict[str, Any]:
     """One Script object per operation, bound to ``client`` (sync or asyncio redis-py)."""
-    return {name: client.register_script(source(name)) for name in NAMES}
+    return {name: client.register_script(source(name)) for name in PIECES}
 
 
 def map_error(exc: ResponseError, what: str) -> Exception:
