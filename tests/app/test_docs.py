@@ -1,4 +1,4 @@
-"""The curl examples of docs/service.md, run as they stand against a real uvicorn."""
+"""The curl examples of docs/service.md and README.md, run as they stand against a real uvicorn."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "service.md"
+README = ROOT / "README.md"
 BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
 EXPECT = re.compile(r"^# → (\d{3})\b", re.M)
 API_KEY = "docs-example-key"
 
 
-def examples() -> list[str]:
-    return BLOCK.findall(DOC.read_text())
+def examples(doc: Path = DOC) -> list[str]:
+    return BLOCK.findall(doc.read_text())
 
 
 @pytest.fixture
@@ -93,6 +94,16 @@ def test_doc_has_an_example_for_every_route() -> None:
 def test_every_example_runs(server: str, tmp_path: Path) -> None:
     blocks = examples()
     assert len(blocks) >= 20
+    run_blocks(blocks, server, tmp_path)
+
+
+def test_readme_examples_run(server: str, tmp_path: Path) -> None:
+    blocks = examples(README)
+    assert len(blocks) >= 2
+    run_blocks(blocks, server, tmp_path)
+
+
+def run_blocks(blocks: list[str], server: str, tmp_path: Path) -> None:
     codes_file = tmp_path / "codes"
     # Each curl also writes its status code to a file, which the test compares with the
     # "# → NNN" comments of the block, in order.
