@@ -18,9 +18,16 @@ from redis.exceptions import ResponseError
 
 from guard import layout as fmt
 from guard import scripts
-from guard.errors import FilterFullError, GuardError, InvalidParameterError
+from guard.errors import (
+    FilterCorruptError,
+    FilterFullError,
+    FilterNotFoundError,
+    GuardError,
+    InvalidParameterError,
+)
 from guard.hashing import item_hash, to_bytes
 from guard.layout import Layout
+from guard.reads import BadHeader, ReadPlan, Stale
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_PREFIX = "guard:"
@@ -34,12 +41,28 @@ MAX_RETRIES = 8
 
 
 class Call(NamedTuple):
+    """One EVALSHA of a guard script."""
+
     script: str
     keys: list[str]
     args: list[Any]
 
 
-Op = Generator[list[Call], list[Any], Any]
+class Command(NamedTuple):
+    """One plain Redis command (the script-free reads)."""
+
+    name: str
+    args: list[Any]
+
+
+class Round(NamedTuple):
+    """What an operation sends at once: one pipeline, a MULTI when ``atomic``."""
+
+    calls: list[Call | Command]
+    atomic: bool = False
+
+
+Op = Generator[Round, list[Any], Any]
 
 
 @dataclass(frozen=True)
@@ -136,6 +159,7 @@ class _FilterOps:
         # The hash tag keeps every key of one filter in one Redis Cluster slot.
         self._base = f"{prefix}{{{name}}}{_variant}"
         self._layout = fmt.UNKNOWN_LAYOUT
+        self._read_command = "BITFIELD_RO"
 
     def key(self, n: int = 0) -> str:
         return self._base if n == 0 else f"{self._base}:{n}"
@@ -164,12 +188,12 @@ class _FilterOps:
     def _reserve_op(self, layout: Layout, capacity: int, error_rate: float | None) -> Op:
         header = fmt.pack_header(layout, capacity, error_rate)
         total = fmt.string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
-        yield [Call("reserve", [self.key(0)], [header, total])]
+        yield Round([Call("reserve", [self.key(0)], [header, total])])
         self._layout = layout
         return (yield from self._info_op())
 
     def _batch_op(self, script: str, items: Iterable[str | bytes], chunk: int = LOOKUP_CHUNK) -> Op:
-        """lookup / count / delete: chunks are independent, so they go in one pipeline."""
+        """count / delete: chunks are independent, so they go in one pipeline."""
         data = [to_bytes(x) for x in items]
         results: list[Any] = [None] * len(data)
         pending = [(a, min(a + chunk, len(data))) for a in range(0, len(data), chunk)]
@@ -181,9 +205,9 @@ class _FilterOps:
             sending = pending if layout.buckets0 else pending[:1]
             flat = self._flat_hashes(data, layout.seed) if layout.buckets0 else [0, 0] * len(data)
             keys = self._keys(layout.subfilters)
-            replies = yield [
-                Call(script, keys, layout.args() + flat[2 * a : 2 * b]) for a, b in sending
-            ]
+            replies = yield Round(
+                [Call(script, keys, layout.args() + flat[2 * a : 2 * b]) for a, b in sending]
+            )
             retry = pending[len(sending) :]
             for (a, b), reply in zip(sending, replies, strict=True):
                 if self._adopt(reply):
@@ -192,6 +216,43 @@ class _FilterOps:
                     results[a:b] = reply[2:]
             pending = sorted(retry)
         raise GuardError(f"{self.name}: layout kept changing during {script}")
+
+    def _lookup_op(self, items: Iterable[str | bytes]) -> Op:
+        """Script-free: one read command per sub-filter and chunk (guard/reads.py)."""
+        data = [to_bytes(x) for x in items]
+        if not data:
+            return []
+        hashes: list[tuple[int, int]] = []
+        seed = None
+        for _ in range(MAX_RETRIES):
+            layout = self._layout
+            if not layout.buckets0:
+                yield from self._info_op()  # learns the layout, or raises not found
+                continue
+            if seed != layout.seed:
+                hashes, seed = [item_hash(d, layout.seed) for d in data], layout.seed
+            plan = ReadPlan(layout, hashes, self.key)
+            commands: list[Call | Command] = [
+                Command(self._read_command, c.args) for c in plan.commands
+            ]
+            try:
+                replies = yield Round(commands, atomic=layout.subfilters > 1)
+            except ResponseError as exc:
+                # fakeredis has no BITFIELD_RO; BITFIELD with only GETs reads the same.
+                if "bitfield_ro" in str(exc).lower() and self._read_command != "BITFIELD":
+                    self._read_command = "BITFIELD"
+                    continue
+                raise
+            try:
+                return plan.evaluate(replies)
+            except Stale as stale:
+                self._layout = stale.layout
+            except BadHeader as bad:
+                (exists,) = yield Round([Command("EXISTS", [self.key(0)])])
+                if not exists:
+                    raise FilterNotFoundError(f"{self.name}: no such filter") from None
+                raise FilterCorruptError(f"{self.name}: {bad.reason}") from None
+        raise GuardError(f"{self.name}: layout kept changing during lookup")
 
     def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op:
         """Chunks run one after another: a full fixed-size filter stops at the first failure."""
@@ -205,7 +266,7 @@ class _FilterOps:
             # Two spare keys: growth may add sub-filters within one call.
             keys = self._keys(layout.subfilters + 2)
             args = [*layout.args(), int(unique), *self._flat_hashes(part, layout.seed)]
-            (reply,) = yield [Call("insert", keys, args)]
+            (reply,) = yield Round([Call("insert", keys, args)])
             if self._adopt(reply):
                 stale += 1
                 if stale > MAX_RETRIES:
@@ -222,7 +283,7 @@ class _FilterOps:
     def _info_op(self) -> Op:
         for _ in range(MAX_RETRIES):
             layout = self._layout
-            (reply,) = yield [Call("info", self._keys(layout.subfilters), layout.args())]
+            (reply,) = yield Round([Call("info", self._keys(layout.subfilters), layout.args())])
             if not self._adopt(reply):
                 return self._make_info(self._layout, reply)
         raise GuardError(f"{self.name}: layout kept changing during info")
@@ -261,13 +322,13 @@ class _FilterOps:
         )
 
     def _drop_op(self) -> Op:
-        (existed,) = yield [Call("drop", self._keys(fmt.MAX_SUBFILTERS), [])]
+        (existed,) = yield Round([Call("drop", self._keys(fmt.MAX_SUBFILTERS), [])])
         self._layout = fmt.UNKNOWN_LAYOUT
         return bool(existed)
 
     def _promote_op(self, live: _FilterOps) -> Op:
         keys = live._keys(fmt.MAX_SUBFILTERS) + self._keys(fmt.MAX_SUBFILTERS)
-        yield [Call("promote", keys, [])]
+        yield Round([Call("promote", keys, [])])
         live._layout = self._layout
         self._layout = fmt.UNKNOWN_LAYOUT
         return True
@@ -296,25 +357,35 @@ class CuckooFilter(_FilterOps):
         self._scripts = scripts.register(redis)
 
     async def _run(self, op: Op) -> Any:
+        # Errors go back into the operation, which may handle them (or let them rise).
         try:
-            calls = next(op)
+            rnd = next(op)
             while True:
-                calls = op.send(await self._execute(calls))
+                try:
+                    replies = await self._execute(rnd)
+                except Exception as exc:
+                    rnd = op.throw(exc)
+                else:
+                    rnd = op.send(replies)
         except StopIteration as done:
             return done.value
 
-    async def _execute(self, calls: list[Call]) -> list[Any]:
+    async def _execute(self, rnd: Round) -> list[Any]:
         try:
-            if len(calls) == 1:
-                c = calls[0]
-                return [await self._scripts[c.script](keys=c.keys, args=c.args)]
-            pipe = self.redis.pipeline(transaction=False)
-            for c in calls:
-                await self._scripts[c.script](keys=c.keys, args=c.args, client=pipe)
+            if len(rnd.calls) == 1 and not rnd.atomic:
+                return [await self._send(rnd.calls[0], self.redis)]
+            pipe = self.redis.pipeline(transaction=rnd.atomic)
+            for c in rnd.calls:
+                await self._send(c, pipe)
             replies = await pipe.execute(raise_on_error=False)
         except ResponseError as exc:
             raise scripts.map_error(exc, self.name) from exc
         return _raise_first_error(replies, self.name)
+
+    async def _send(self, call: Call | Command, client: Any) -> Any:
+        if isinstance(call, Command):
+            return await client.execute_command(call.name, *call.args)
+        return await self._scripts[call.script](keys=call.keys, args=call.args, client=client)
 
     def staging(self) -> CuckooFilter:
         """A handle on this filter's staging copy (same hash tag), for rebuilds."""
@@ -336,10 +407,10 @@ class CuckooFilter(_FilterOps):
         return await self._run(self._insert_op(items, unique))
 
     async def lookup(self, item: str | bytes) -> bool:
-        return bool((await self._run(self._batch_op("lookup", [item])))[0])
+        return (await self._run(self._lookup_op([item])))[0]
 
     async def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return [bool(r) for r in await self._run(self._batch_op("lookup", items))]
+        return await self._run(self._lookup_op(items))
 
     async def count(self, item: str | bytes) -> int:
         return int((await self._run(self._batch_op("count", [item])))[0])
@@ -377,24 +448,33 @@ class SyncCuckooFilter(_FilterOps):
 
     def _run(self, op: Op) -> Any:
         try:
-            calls = next(op)
+            rnd = next(op)
             while True:
-                calls = op.send(self._execute(calls))
+                try:
+                    replies = self._execute(rnd)
+                except Exception as exc:
+                    rnd = op.throw(exc)
+                else:
+                    rnd = op.send(replies)
         except StopIteration as done:
             return done.value
 
-    def _execute(self, calls: list[Call]) -> list[Any]:
+    def _execute(self, rnd: Round) -> list[Any]:
         try:
-            if len(calls) == 1:
-                c = calls[0]
-                return [self._scripts[c.script](keys=c.keys, args=c.args)]
-            pipe = self.redis.pipeline(transaction=False)
-            for c in calls:
-                self._scripts[c.script](keys=c.keys, args=c.args, client=pipe)
+            if len(rnd.calls) == 1 and not rnd.atomic:
+                return [self._send(rnd.calls[0], self.redis)]
+            pipe = self.redis.pipeline(transaction=rnd.atomic)
+            for c in rnd.calls:
+                self._send(c, pipe)
             replies = pipe.execute(raise_on_error=False)
         except ResponseError as exc:
             raise scripts.map_error(exc, self.name) from exc
         return _raise_first_error(replies, self.name)
+
+    def _send(self, call: Call | Command, client: Any) -> Any:
+        if isinstance(call, Command):
+            return client.execute_command(call.name, *call.args)
+        return self._scripts[call.script](keys=call.keys, args=call.args, client=client)
 
     def staging(self) -> SyncCuckooFilter:
         return SyncCuckooFilter(self.redis, self.name, self.prefix, _variant=STAGING)
@@ -413,10 +493,10 @@ class SyncCuckooFilter(_FilterOps):
         return self._run(self._insert_op(items, unique))
 
     def lookup(self, item: str | bytes) -> bool:
-        return bool(self._run(self._batch_op("lookup", [item]))[0])
+        return self._run(self._lookup_op([item]))[0]
 
     def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return [bool(r) for r in self._run(self._batch_op("lookup", items))]
+        return self._run(self._lookup_op(items))
 
     def count(self, item: str | bytes) -> int:
         return int(self._run(self._batch_op("count", [item]))[0])

@@ -25,7 +25,6 @@ from guard.errors import (
 # the functions it calls, since defining them is part of every call's cost.
 PIECES = {
     "reserve": ("_common",),
-    "lookup": ("_common",),
     "count": ("_common", "_store"),
     "insert": ("_common", "_store"),
     "delete": ("_common", "_store"),
