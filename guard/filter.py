@@ -148,7 +148,14 @@ def plan_layout(
 class _FilterOps:
     """The operations, as generators of script calls. Shared by both client flavours."""
 
-    def __init__(self, name: str, prefix: str = DEFAULT_PREFIX, *, _variant: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        _variant: str = "",
+        _shard: int | None = None,
+    ) -> None:
         if not isinstance(name, str) or not NAME_PATTERN.match(name):
             raise InvalidParameterError(
                 f"filter name must match {NAME_PATTERN.pattern} (1-64 characters), got {name!r}"
@@ -156,8 +163,11 @@ class _FilterOps:
         self.name = name
         self.prefix = prefix
         self._variant = _variant
-        # The hash tag keeps every key of one filter in one Redis Cluster slot.
-        self._base = f"{prefix}{{{name}}}{_variant}"
+        self._shard = _shard
+        # The hash tag keeps every key of one filter in one Redis Cluster slot; a shard of a
+        # sharded filter gets its own tag (name:i), which user names cannot reach (no ':').
+        tag = name if _shard is None else f"{name}:{_shard}"
+        self._base = f"{prefix}{{{tag}}}{_variant}"
         self._layout = fmt.UNKNOWN_LAYOUT
         self._read_command = "BITFIELD_RO"
 
@@ -350,9 +360,15 @@ class CuckooFilter(_FilterOps):
     """A handle on one filter over ``redis.asyncio.Redis``; creating it does no I/O."""
 
     def __init__(
-        self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, _variant: str = ""
+        self,
+        redis: Any,
+        name: str,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        _variant: str = "",
+        _shard: int | None = None,
     ) -> None:
-        super().__init__(name, prefix, _variant=_variant)
+        super().__init__(name, prefix, _variant=_variant, _shard=_shard)
         self.redis = redis
         self._scripts = scripts.register(redis)
 
@@ -389,7 +405,9 @@ class CuckooFilter(_FilterOps):
 
     def staging(self) -> CuckooFilter:
         """A handle on this filter's staging copy (same hash tag), for rebuilds."""
-        return CuckooFilter(self.redis, self.name, self.prefix, _variant=STAGING)
+        return CuckooFilter(
+            self.redis, self.name, self.prefix, _variant=STAGING, _shard=self._shard
+        )
 
     async def reserve(self, capacity: int, **params: Any) -> FilterInfo:
         """Create the filter: capacity, error_rate | fingerprint_bits, bucket_size, max_kicks,
@@ -432,7 +450,7 @@ class CuckooFilter(_FilterOps):
 
     async def promote(self) -> bool:
         """Atomically replace the live filter by this staging copy."""
-        live = CuckooFilter(self.redis, self.name, self.prefix)
+        live = CuckooFilter(self.redis, self.name, self.prefix, _shard=self._shard)
         return await self._run(self._promote_op(live))
 
 
@@ -440,9 +458,15 @@ class SyncCuckooFilter(_FilterOps):
     """The same filter over a blocking ``redis.Redis``, for scripts and CLIs."""
 
     def __init__(
-        self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, _variant: str = ""
+        self,
+        redis: Any,
+        name: str,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        _variant: str = "",
+        _shard: int | None = None,
     ) -> None:
-        super().__init__(name, prefix, _variant=_variant)
+        super().__init__(name, prefix, _variant=_variant, _shard=_shard)
         self.redis = redis
         self._scripts = scripts.register(redis)
 
@@ -477,7 +501,9 @@ class SyncCuckooFilter(_FilterOps):
         return self._scripts[call.script](keys=call.keys, args=call.args, client=client)
 
     def staging(self) -> SyncCuckooFilter:
-        return SyncCuckooFilter(self.redis, self.name, self.prefix, _variant=STAGING)
+        return SyncCuckooFilter(
+            self.redis, self.name, self.prefix, _variant=STAGING, _shard=self._shard
+        )
 
     def reserve(self, capacity: int, **params: Any) -> FilterInfo:
         layout = _plan(capacity, **params)
@@ -517,7 +543,7 @@ class SyncCuckooFilter(_FilterOps):
         return self._run(self._drop_op())
 
     def promote(self) -> bool:
-        live = SyncCuckooFilter(self.redis, self.name, self.prefix)
+        live = SyncCuckooFilter(self.redis, self.name, self.prefix, _shard=self._shard)
         return self._run(self._promote_op(live))
 
 
