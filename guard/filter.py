@@ -18,6 +18,7 @@ from redis.exceptions import ResponseError
 
 from guard import layout as fmt
 from guard import scripts
+from guard.coalesce import LookupCoalescer
 from guard.errors import (
     FilterCorruptError,
     FilterFullError,
@@ -242,14 +243,13 @@ class _FilterOps:
             if seed != layout.seed:
                 hashes, seed = [item_hash(d, layout.seed) for d in data], layout.seed
             plan = ReadPlan(layout, hashes, self.key)
-            commands: list[Call | Command] = [
-                Command(self._read_command, c.args) for c in plan.commands
-            ]
+            used = self._read_command
+            commands: list[Call | Command] = [Command(used, c.args) for c in plan.commands]
             try:
                 replies = yield Round(commands, atomic=layout.subfilters > 1)
             except ResponseError as exc:
                 # fakeredis has no BITFIELD_RO; BITFIELD with only GETs reads the same.
-                if "bitfield_ro" in str(exc).lower() and self._read_command != "BITFIELD":
+                if used == "BITFIELD_RO" and "bitfield_ro" in str(exc).lower():
                     self._read_command = "BITFIELD"
                     continue
                 raise
@@ -357,7 +357,11 @@ def _plan(capacity: int, **params: Any) -> Layout:
 
 
 class CuckooFilter(_FilterOps):
-    """A handle on one filter over ``redis.asyncio.Redis``; creating it does no I/O."""
+    """A handle on one filter over ``redis.asyncio.Redis``; creating it does no I/O.
+
+    With ``coalesce`` (the default), concurrent lookups on this handle are sent together:
+    see guard/coalesce.py.
+    """
 
     def __init__(
         self,
@@ -365,12 +369,24 @@ class CuckooFilter(_FilterOps):
         name: str,
         prefix: str = DEFAULT_PREFIX,
         *,
+        coalesce: bool = True,
         _variant: str = "",
         _shard: int | None = None,
     ) -> None:
         super().__init__(name, prefix, _variant=_variant, _shard=_shard)
         self.redis = redis
         self._scripts = scripts.register(redis)
+        self._coalescer = LookupCoalescer(self._lookup_now) if coalesce else None
+
+    async def _lookup_now(self, data: list[bytes]) -> list[bool]:
+        result: list[bool] = await self._run(self._lookup_op(data))
+        return result
+
+    async def _lookup(self, items: Iterable[str | bytes]) -> list[bool]:
+        data = [to_bytes(x) for x in items]  # a bad item fails its own caller, not the batch
+        if self._coalescer is None:
+            return await self._lookup_now(data)
+        return await self._coalescer.lookup_many(data)
 
     async def _run(self, op: Op) -> Any:
         # Errors go back into the operation, which may handle them (or let them rise).
@@ -425,10 +441,10 @@ class CuckooFilter(_FilterOps):
         return await self._run(self._insert_op(items, unique))
 
     async def lookup(self, item: str | bytes) -> bool:
-        return (await self._run(self._lookup_op([item])))[0]
+        return (await self._lookup([item]))[0]
 
     async def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return await self._run(self._lookup_op(items))
+        return await self._lookup(items)
 
     async def count(self, item: str | bytes) -> int:
         return int((await self._run(self._batch_op("count", [item])))[0])

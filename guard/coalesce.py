@@ -1,0 +1,65 @@
+"""Auto-batching of lookups: concurrent calls on one async handle share one Redis round trip.
+
+The first lookup goes out at once (an idle guard adds no latency); lookups that arrive while
+it is in flight wait for it to return and then go together, up to ``max_items`` per trip. Under
+a flood that turns many small reads into few large ones, which is what Redis does fastest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+Lookup = Callable[[list[bytes]], Awaitable[list[bool]]]
+
+
+class LookupCoalescer:
+    def __init__(self, lookup: Lookup, max_items: int = 2000) -> None:
+        self._lookup = lookup
+        self._max_items = max_items
+        self._waiting: list[tuple[list[bytes], asyncio.Future[list[bool]]]] = []
+        self._flushing = False
+
+    async def lookup_many(self, items: list[bytes]) -> list[bool]:
+        if not items:
+            return []
+        future: asyncio.Future[list[bool]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((items, future))
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        try:
+            while self._waiting:
+                batch = self._take()
+                items = [x for chunk, _ in batch for x in chunk]
+                try:
+                    results = await self._lookup(items)
+                except BaseException as exc:  # every waiter gets the failure, none hangs
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    if not isinstance(exc, Exception):
+                        raise
+                    continue
+                start = 0
+                for chunk, future in batch:
+                    if not future.done():  # a cancelled caller just drops its share
+                        future.set_result(results[start : start + len(chunk)])
+                    start += len(chunk)
+        finally:
+            self._flushing = False
+
+    def _take(self) -> list[tuple[list[bytes], asyncio.Future[list[bool]]]]:
+        """The waiting calls that fit in one trip (at least one, however large)."""
+        taken, count = 0, 0
+        while taken < len(self._waiting):
+            size = len(self._waiting[taken][0])
+            if taken and count + size > self._max_items:
+                break
+            count += size
+            taken += 1
+        batch, self._waiting = self._waiting[:taken], self._waiting[taken:]
+        return batch
