@@ -14,7 +14,7 @@ from collections.abc import Generator, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from guard import layout as fmt
 from guard import scripts
@@ -405,14 +405,24 @@ class CuckooFilter(_FilterOps):
     async def _execute(self, rnd: Round) -> list[Any]:
         try:
             if len(rnd.calls) == 1 and not rnd.atomic:
-                return [await self._send(rnd.calls[0], self.redis)]
+                return [await self._send_one(rnd.calls[0])]
             pipe = self.redis.pipeline(transaction=rnd.atomic)
             for c in rnd.calls:
                 await self._send(c, pipe)
             replies = await pipe.execute(raise_on_error=False)
+            # A SCRIPT FLUSH between the pipeline's script preload and its execution: those
+            # calls did nothing, so they alone are sent again, as EVAL, which cannot miss.
+            for k in _unloaded(replies):
+                replies[k] = await self.redis.eval(*_eval_args(rnd.calls[k]))
         except ResponseError as exc:
             raise scripts.map_error(exc, self.name) from exc
         return _raise_first_error(replies, self.name)
+
+    async def _send_one(self, call: Call | Command) -> Any:
+        try:
+            return await self._send(call, self.redis)
+        except NoScriptError:  # flushed again between redis-py's reload and its retry
+            return await self.redis.eval(*_eval_args(call))
 
     async def _send(self, call: Call | Command, client: Any) -> Any:
         if isinstance(call, Command):
@@ -502,14 +512,22 @@ class SyncCuckooFilter(_FilterOps):
     def _execute(self, rnd: Round) -> list[Any]:
         try:
             if len(rnd.calls) == 1 and not rnd.atomic:
-                return [self._send(rnd.calls[0], self.redis)]
+                return [self._send_one(rnd.calls[0])]
             pipe = self.redis.pipeline(transaction=rnd.atomic)
             for c in rnd.calls:
                 self._send(c, pipe)
             replies = pipe.execute(raise_on_error=False)
+            for k in _unloaded(replies):
+                replies[k] = self.redis.eval(*_eval_args(rnd.calls[k]))
         except ResponseError as exc:
             raise scripts.map_error(exc, self.name) from exc
         return _raise_first_error(replies, self.name)
+
+    def _send_one(self, call: Call | Command) -> Any:
+        try:
+            return self._send(call, self.redis)
+        except NoScriptError:
+            return self.redis.eval(*_eval_args(call))
 
     def _send(self, call: Call | Command, client: Any) -> Any:
         if isinstance(call, Command):
@@ -561,6 +579,15 @@ class SyncCuckooFilter(_FilterOps):
     def promote(self) -> bool:
         live = SyncCuckooFilter(self.redis, self.name, self.prefix, _shard=self._shard)
         return self._run(self._promote_op(live))
+
+
+def _eval_args(call: Call | Command) -> list[Any]:
+    assert isinstance(call, Call)
+    return [scripts.source(call.script), len(call.keys), *call.keys, *call.args]
+
+
+def _unloaded(replies: list[Any]) -> list[int]:
+    return [k for k, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
 
 
 def _raise_first_error(replies: list[Any], name: str) -> list[Any]:

@@ -118,10 +118,9 @@ def fp_bits_for(error_rate: float, bucket_size: int, growing: bool) -> int:
     filter adds one bit per sub-filter, so its rates form a series summing to under twice the
     first: one more bit up front covers every sub-filter it will ever have.
     """
-    bound = 2 * bucket_size / error_rate
-    if growing:
-        bound *= 2
-    return max(MIN_FP_BITS, math.ceil(math.log2(bound)))
+    # In logarithms: 2b / error_rate overflows a float for denormal rates.
+    bits = math.log2(2 * bucket_size) - math.log2(error_rate) + (1 if growing else 0)
+    return max(MIN_FP_BITS, math.ceil(bits))
 
 
 def pack_header(layout: Layout, capacity: int, error_rate: float | None) -> bytes:

@@ -72,6 +72,7 @@ class TestReserve:
             ({"capacity": 10, "expansion": 99}, "expansion must be an integer from 0 to 16"),
             ({"capacity": 10, "error_rate": 0}, "error_rate must be between 0 and 1"),
             ({"capacity": 10, "error_rate": 1e-12}, "needs 44-bit fingerprints"),
+            ({"capacity": 10, "error_rate": 5e-324}, "needs 1078-bit fingerprints"),
             ({"capacity": 10, "error_rate": 0.01, "fingerprint_bits": 8}, "not both"),
             ({"capacity": MAX_STRING_BYTES * 2}, "512 MB"),
         ],
