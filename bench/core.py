@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from redis.exceptions import ResponseError
 
 from guard import layout as fmt
 from guard.errors import FilterFullError
@@ -39,10 +38,6 @@ REDISBLOOM_REFERENCE = (
     (2, 0.47, 16.95, 0.0073),
     (4, 0.79, 10.12, 0.0246),
 )
-# guard's insert script sends up to 2000 BITFIELD SETs (8002 values) through unpack() in
-# flush(), past Lua's 8000-value limit: a call whose kick chains change that many slots fails
-# with this error before it writes anything. fill() retries with smaller calls and counts it.
-UNPACK_ERROR = "too many results to unpack"
 # Items insert_many sends per script call at MAX_KICKS (guard/filter.py's _insert_op rule).
 INSERT_PER_CALL = min(INSERT_CHUNK, KICK_BUDGET // MAX_KICKS)
 
@@ -91,7 +86,6 @@ class Bench:
     r: redis.Redis
     prefix: str
     scale: Scale
-    unpack_retries: int = 0  # times fill() hit guard's unpack() limit (see UNPACK_ERROR)
     seconds: dict[str, float] = field(default_factory=dict)
 
     def filter(self, name: str) -> SyncCuckooFilter:
@@ -123,14 +117,6 @@ def fill(bench: Bench, cf: SyncCuckooFilter, tag: str, batch: int = 20_000) -> i
             added += sum(cf.insert_many(keys(tag, added, added + batch)))
         except FilterFullError as full:
             return added + sum(full.results)
-        except ResponseError as exc:
-            if UNPACK_ERROR not in str(exc):
-                raise
-            bench.unpack_retries += 1
-            # Earlier script calls of this batch were written: the counter says how far it got.
-            added = cf.info().items
-            # Calls carry at most INSERT_PER_CALL items; fewer items change fewer slots.
-            batch = max(1, min(batch, INSERT_PER_CALL) // 2)
 
 
 def fill_to(cf: SyncCuckooFilter, tag: str, start: int, stop: int, batch: int = 20_000) -> None:

@@ -107,12 +107,11 @@ def run(url: str, *, quick: bool, out: str | None) -> int:
         env=env,
         quick=quick,
         redisbloom=rb,
-        unpack_retries=bench.unpack_retries,
         seconds=bench.seconds,
         total=total,
         scale=bench.scale,
     )
-    print(report.summary(results, bench.unpack_retries))
+    print(report.summary(results))
     print(f"total time: {total:.0f} s")
     if out:
         path = Path(out)
