@@ -389,13 +389,13 @@ rows run once (they change the filter). Items/s counts items (commands for the G
 rows); *ratio to GET* divides by the pipelined GET row. Pipelined GET and `return 1` are bound
 by redis-py's per-command Python cost, not by the server, so they land close to each other.
 *Server us/item* is the change in `INFO commandstats` usec of GET, EVALSHA, BITFIELD_RO and
-SCRIPT EXISTS over the window (commands a script calls are inside its EVALSHA time), divided by items. The
-server is shared, so *other clients' calls* counts calls in the window this process did not make:
-non-zero means the server columns include a little of someone else's work. The lookup-read
-row sends the library's own lookup read (one self-validating BITFIELD_RO, guard/reads.py) per
-item, built before timing; the `cf.*` rows include hashing and the library's Python. The filter has
-{tput_slots:,} slots, b=4, 16-bit fingerprints, 40 % full before the timed rows; lookups are of
-absent keys.""",
+SCRIPT EXISTS over the window (commands a script calls are inside its EVALSHA time), divided by
+items. The server is shared, so *other clients' calls* counts calls in the window this process
+did not make: non-zero means the server columns include a little of someone else's work. The
+lookup-read row sends the library's own lookup read (one self-validating BITFIELD_RO,
+guard/reads.py) per item, built before timing; the `cf.*` rows include hashing and the
+library's Python. The filter has {tput_slots:,} slots, b=4, 16-bit fingerprints, 40 % full
+before the timed rows; lookups are of absent keys.""",
 }
 
 
