@@ -1,9 +1,10 @@
 """CuckooFilter (asyncio) and SyncCuckooFilter: one set of operations, two thin drivers.
 
-Each operation is written once, as a generator that yields the script calls it needs and gets
-their replies back; the async and sync classes only run those calls on their client. The
-handle caches the filter's layout and sends it with every call; a script that finds the stored
-header different answers STALE with the real one, and the operation retries with it.
+Each operation is written once, as a generator that yields the Redis calls it needs (script
+calls; plain reads for lookups) and gets their replies back; the async and sync classes only run
+those calls on their client. The handle caches the filter's layout and sends it with every call;
+a call that finds the stored header different answers STALE with the real one, and the
+operation retries with it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from guard.reads import BadHeader, ReadPlan, Stale
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_PREFIX = "guard:"
 STAGING = ":staging"
-LOOKUP_CHUNK = 1000
+BATCH_CHUNK = 1000  # items per count/delete script call
 INSERT_CHUNK = 512
 # Kick steps one insert call may take in the worst case (about 1.5 us each on the server):
 # keeps a batch into a nearly full filter far below Redis's 5 s busy-script limit.
@@ -203,7 +204,7 @@ class _FilterOps:
         self._layout = layout
         return (yield from self._info_op())
 
-    def _batch_op(self, script: str, items: Iterable[str | bytes], chunk: int = LOOKUP_CHUNK) -> Op:
+    def _batch_op(self, script: str, items: Iterable[str | bytes], chunk: int = BATCH_CHUNK) -> Op:
         """count / delete: chunks are independent, so they go in one pipeline."""
         data = [to_bytes(x) for x in items]
         results: list[Any] = [None] * len(data)
@@ -425,6 +426,8 @@ class CuckooFilter(_FilterOps):
             return await self.redis.eval(*_eval_args(call))
 
     async def _send(self, call: Call | Command, client: Any) -> Any:
+        if client is not self.redis:
+            return _queue(call, self._scripts, client)
         if isinstance(call, Command):
             return await client.execute_command(call.name, *call.args)
         return await self._scripts[call.script](keys=call.keys, args=call.args, client=client)
@@ -584,6 +587,22 @@ class SyncCuckooFilter(_FilterOps):
 def _eval_args(call: Call | Command) -> list[Any]:
     assert isinstance(call, Call)
     return [scripts.source(call.script), len(call.keys), *call.keys, *call.args]
+
+
+def _queue(call: Call | Command, registered: dict[str, Any], pipe: Any) -> None:
+    """Queue a call on an asyncio pipeline without awaiting it.
+
+    Awaiting what an asyncio ``ClusterPipeline`` returns re-initializes it and empties its
+    queue (redis-py 8), so calls are queued synchronously. A plain pipeline still loads the
+    scripts before it runs; a cluster pipeline's NOSCRIPT replies are re-sent as EVAL.
+    """
+    if isinstance(call, Command):
+        pipe.execute_command(call.name, *call.args)
+        return
+    script = registered[call.script]
+    if hasattr(pipe, "scripts"):
+        pipe.scripts.add(script)
+    pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
 
 
 def _unloaded(replies: list[Any]) -> list[int]:
