@@ -72,16 +72,25 @@ class FilterHandles:
 
     MAX = 1024
 
-    def __init__(self, redis: aioredis.Redis, prefix: str, preset: list[CuckooFilter]) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        prefix: str,
+        preset: list[CuckooFilter],
+        coalesce: bool = True,
+    ) -> None:
         self.redis = redis
         self.prefix = prefix
+        self.coalesce = coalesce
         self._handles: OrderedDict[str, CuckooFilter] = OrderedDict()
         self._pinned = {cf.name: cf for cf in preset}
 
     def get(self, name: str) -> CuckooFilter:
         if name in self._pinned:
             return self._pinned[name]
-        handle = self._handles.pop(name, None) or CuckooFilter(self.redis, name, self.prefix)
+        handle = self._handles.pop(name, None) or CuckooFilter(
+            self.redis, name, self.prefix, coalesce=self.coalesce
+        )
         self._handles[name] = handle  # most recently used last
         if len(self._handles) > self.MAX:
             self._handles.popitem(last=False)

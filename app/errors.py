@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import logging
+import re
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from guard import (
@@ -23,6 +27,8 @@ from guard import (
 )
 
 log = logging.getLogger(__name__)
+
+DAMAGED_LOG_EVERY_S = 60.0
 
 
 class BadInput(Exception):
@@ -79,7 +85,13 @@ TOO_LARGE = _doc(413, ErrorBody, "Request body over GUARD_MAX_BODY_BYTES")
 INVALID = _doc(422, ValidationBody, "Bad input; `loc` names the field, `msg` the limit")
 FULL = _doc(507, FullBody, "Fixed-size filter is full; `results` says which items were added")
 UNAVAILABLE = _doc(503, ErrorBody, "Redis unreachable; retry after `Retry-After` seconds")
-COMMON: Responses = {**INVALID, **UNAVAILABLE}
+DAMAGED = _doc(
+    500,
+    ErrorBody,
+    "The filter's data in Redis is damaged (truncated, overwritten, or a key of another type):"
+    " drop it, or rebuild it; retrying does not help",
+)
+COMMON: Responses = {**INVALID, **UNAVAILABLE, **DAMAGED}
 
 
 # ---- mapping --------------------------------------------------------------------------
@@ -92,6 +104,15 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
 def _invalid(loc: list[str | int], msg: str) -> JSONResponse:
     """422 in FastAPI's own shape, so clients parse one format for every bad input."""
     return _json(422, {"detail": [{"loc": loc, "msg": msg, "type": "value_error"}]})
+
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+
+
+def damaged_filter(exc: FilterCorruptError) -> str:
+    """The filter's name from the library's message ("<name>: <reason in key ...>")."""
+    name = str(exc).split(":", 1)[0]
+    return name if _NAME.fullmatch(name) else "?"
 
 
 def error_response(exc: BaseException, retry_after: int = 1) -> JSONResponse | None:
@@ -114,14 +135,18 @@ def error_response(exc: BaseException, retry_after: int = 1) -> JSONResponse | N
         headers = {"Retry-After": str(retry_after)}
         return _json(503, {"detail": "Redis unavailable"}, headers)
     if isinstance(exc, FilterCorruptError):
-        return _json(500, {"detail": str(exc)})
+        # The library's message names Redis keys: it goes to the log, not to the client.
+        name = damaged_filter(exc)
+        return _json(500, {"detail": f"filter {name!r} is damaged in Redis; drop it or rebuild it"})
     if isinstance(exc, GuardError):
-        return _json(500, {"detail": str(exc)})
+        return _json(500, {"detail": "Internal Server Error"})
     return None
 
 
 def install(app: FastAPI, retry_after: int) -> None:
     """Register the handlers that turn domain and Redis errors into answers."""
+
+    damaged_logged: dict[str, float] = {}  # filter -> when its damage was last logged
 
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         response = error_response(exc, retry_after)
@@ -130,10 +155,25 @@ def install(app: FastAPI, retry_after: int) -> None:
             return _json(500, {"detail": "Internal Server Error"})
         if response.status_code == 503:
             request.app.state.metrics.redis_error("api")
+        elif isinstance(exc, FilterCorruptError):
+            # Every request on a damaged filter fails the same way until someone repairs it:
+            # log the details once per filter and minute, not once per request.
+            name, now = damaged_filter(exc), time.monotonic()
+            if now - damaged_logged.get(name, -DAMAGED_LOG_EVERY_S) >= DAMAGED_LOG_EVERY_S:
+                damaged_logged[name] = now
+                log.error("filter %r is damaged in Redis (%s %s): %s", name,
+                          request.method, request.url.path, exc)  # fmt: skip
         elif response.status_code == 500:  # 507 (full) is an expected answer, not a fault
             log.error("%s %s: %r", request.method, request.url.path, exc)
         return response
 
+    async def http_error(request: Request, exc: Exception) -> Any:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 400:  # FastAPI could not decode the body (e.g. invalid UTF-8)
+            return _invalid(["body"], "must be a JSON document in valid UTF-8")
+        return await http_exception_handler(request, exc)
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
     for exc_type in (
         BadInput,
         Conflict,

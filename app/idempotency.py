@@ -18,7 +18,9 @@ from app.errors import BadInput, Conflict, error_response
 
 HEADER = "Idempotency-Key"
 KEY_PATTERN = re.compile(r"^[\x21-\x7e]{1,255}$")  # printable ASCII, no spaces
-_PENDING_MS = 60_000  # a claim outlives any single request, then lets a retry run again
+# A request runs far shorter than this; a claim still pending after it belongs to a request
+# that died (process killed, task cancelled) after it may have changed the filter.
+IN_DOUBT_AFTER_S = 60.0
 _POLL_S = 0.05
 
 # Answers worth replaying: the mutation ran (fully, or partly for 507). Any other error
@@ -65,9 +67,15 @@ class Idempotency:
         if not KEY_PATTERN.match(idem_key):
             raise BadInput(("header", HEADER), "must be 1-255 printable ASCII characters")
         key = self._key(filter_name, idem_key)
-        claim = json.dumps({"state": "pending", "fp": request_fp, "token": uuid.uuid4().hex})
+        claim = json.dumps(
+            {"state": "pending", "fp": request_fp, "token": uuid.uuid4().hex, "since": time.time()}
+        )
         deadline = time.monotonic() + self.wait_s
-        while not await self.redis.set(key, claim, nx=True, px=_PENDING_MS):
+        # The claim lives as long as a stored answer would. If this process dies after the
+        # mutation but before the answer is stored, the claim stays "pending": retries get
+        # 409 (in doubt) instead of running a second time, for a delete could then remove
+        # another item's fingerprint.
+        while not await self.redis.set(key, claim, nx=True, px=self.ttl_ms):
             replay = await self._stored(key, request_fp)
             if replay is not None:
                 return replay
@@ -101,6 +109,11 @@ class Idempotency:
         if record["fp"] != request_fp:
             raise BadInput(("header", HEADER), "was already used for a different request")
         if record["state"] != "done":
+            if time.time() - record.get("since", time.time()) > IN_DOUBT_AFTER_S:
+                raise Conflict(
+                    "the first request with this Idempotency-Key never finished and may have "
+                    "changed the filter: check the filter, then retry with a new key"
+                )
             return None
         return JSONResponse(
             record["body"], status_code=record["status"], headers={"Idempotent-Replayed": "true"}

@@ -19,13 +19,34 @@ from app.idempotency import Idempotency
 from app.metrics import Metrics, RequestMetricsMiddleware
 from app.records import RebuildInProgress, RecordStore, RedisDown
 from app.redis_conn import open_redis
-from app.routes import filters, health, records
+from app.routes import dashboard, filters, health, records
 from app.settings import Settings
 from guard.middleware import GuardMiddleware
 
 log = logging.getLogger("app")
 
 REBUILD_RETRY_S = 5.0
+
+MIN_API_KEY_CHARS = 16
+# Keys that show up in examples and .env templates; compared without case and punctuation.
+PLACEHOLDER_KEYS = frozenset(
+    {"changeme", "changeit", "secret", "default", "test", "testkey", "password", "apikey",
+     "yourapikey", "guardapikey", "example", "admin", "key", "token", "xxx"}
+)  # fmt: skip
+
+
+def weak_api_key(key: str) -> str | None:
+    """Why `key` is unfit for production (never quoting it), or None when it is fine."""
+    if not key:
+        return "it is empty"
+    folded = "".join(ch for ch in key.lower() if ch.isalnum())
+    if folded in PLACEHOLDER_KEYS:
+        return "it is a placeholder"
+    if len(set(key)) < 4:
+        return "it repeats too few characters"
+    if len(key) < MIN_API_KEY_CHARS:
+        return f"it is shorter than {MIN_API_KEY_CHARS} characters"
+    return None
 
 
 def _records_filter(scope: Any) -> Any:
@@ -81,8 +102,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             logging.basicConfig(level=cfg.log_level, format="%(levelname)s %(name)s: %(message)s")
         if settings_error is not None:
             raise RuntimeError(f"invalid GUARD_* settings: {settings_error}")
-        if cfg.env == "production" and not cfg.auth_enabled:
-            raise RuntimeError("GUARD_ENV=production needs GUARD_API_KEY")
+        if cfg.env == "production":
+            weak = weak_api_key(cfg.api_key.get_secret_value())
+            if weak:
+                raise RuntimeError(f"GUARD_ENV=production needs a real GUARD_API_KEY: {weak}")
         async with AsyncExitStack() as stack:
             redis = await stack.enter_async_context(open_redis(cfg))
             db = await open_database(cfg.database_url, cfg.db_latency_ms)
@@ -97,7 +120,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 stack.push_async_callback(_cancel, task)
             yield {
                 "redis": redis,
-                "filters": FilterHandles(redis, cfg.key_prefix, [store.filter]),
+                "filters": FilterHandles(
+                    redis, cfg.key_prefix, [store.filter], coalesce=cfg.lookup_coalescing
+                ),
                 "db": db,
                 "records": store,
                 "idempotency": Idempotency(
@@ -118,6 +143,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(filters.router)
     app.include_router(records.router)
+    app.include_router(dashboard.router)
     # Added innermost first: metrics see every answer, then the body limit, then the guard.
     app.add_middleware(
         GuardMiddleware,

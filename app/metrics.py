@@ -69,6 +69,15 @@ class Metrics:
             "guard_filter_load_factor", "Filter load factor", ["filter"], registry=r
         )
         self.filter_items = Gauge("guard_filter_items", "Items in a filter", ["filter"], registry=r)
+        # A gauge, not a counter: the figure lives in Redis (shared by every process, kept
+        # across restarts); it only grows, so rate() and increase() work on it all the same.
+        self.filter_missed_deletes = Gauge(
+            "guard_filter_missed_deletes",
+            "Deletes that found nothing in a filter: each may have removed another item's "
+            "fingerprint (a false negative)",
+            ["filter"],
+            registry=r,
+        )
         self._queries = _QueryCollector()
         r.register(self._queries)
         self.stats = Stats()
@@ -98,9 +107,11 @@ class Metrics:
         # clear() first so a dropped filter stops being reported.
         self.filter_load.clear()
         self.filter_items.clear()
+        self.filter_missed_deletes.clear()
         for info in infos:
             self.filter_load.labels(info.name).set(info.load_factor)
             self.filter_items.labels(info.name).set(info.items)
+            self.filter_missed_deletes.labels(info.name).set(info.missed_deletes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

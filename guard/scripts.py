@@ -64,6 +64,6 @@ def map_error(exc: ResponseError, what: str) -> Exception:
     if match:
         cls = _CODES.get(match.group(1), GuardError)
         return cls(f"{what}: {match.group(2).strip()}")
-    if text.startswith("WRONGTYPE"):
+    if "WRONGTYPE" in text:  # Redis 7 puts it first; 6.2 after "Error running script ..."
         return FilterCorruptError(f"{what}: a key of the filter holds another type")
     return exc

@@ -51,4 +51,8 @@ class TestRedis62:
         redis62.set(cf.key(), redis62.get(cf.key())[:-3])
         with pytest.raises(FilterCorruptError):
             cf.lookup("x1")
+        redis62.delete(cf.key())
+        redis62.hset(cf.key(), "a", 1)
+        with pytest.raises(FilterCorruptError, match="another type"):
+            SyncCuckooFilter(redis62, "fixed").insert("x")
         cf.drop()

@@ -60,7 +60,11 @@ class ReserveIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     capacity: int = Field(ge=1, description="Items the filter must hold (limit GUARD_MAX_CAPACITY)")
-    error_rate: float | None = Field(None, gt=0, lt=1, description="Target false-positive rate")
+    # ge=1e-12: far below what 32-bit fingerprints reach, and keeps the library's sizing
+    # arithmetic finite (a denormal like 5e-324 made it overflow into a 500).
+    error_rate: float | None = Field(
+        None, ge=1e-12, lt=1, description="Target false-positive rate"
+    )
     fingerprint_bits: int | None = Field(None, description="Instead of error_rate")
     bucket_size: int = 4
     max_kicks: int = 500
@@ -104,7 +108,9 @@ def _info(info: Any) -> dict[str, Any]:
     return data
 
 
-@router.get("", response_model=FilterList, responses=errors.UNAVAILABLE)
+@router.get(
+    "", response_model=FilterList, responses={**errors.UNAVAILABLE, **errors.DAMAGED}
+)
 async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
     """Every filter with its info."""
     infos = []

@@ -113,7 +113,9 @@ async def start(make_settings: Callable[..., Settings]) -> AsyncIterator[StartSe
 
     async def run(**overrides: Any) -> Service:
         settings = make_settings(**overrides)
-        manager = await stack.enter_async_context(LifespanManager(create_app(settings)))
+        manager = await stack.enter_async_context(
+            LifespanManager(create_app(settings), startup_timeout=30, shutdown_timeout=30)
+        )
         client = await stack.enter_async_context(
             httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=manager.app), base_url="http://test"

@@ -57,7 +57,7 @@ class TestSettings:
 
         importlib.reload(app.main)  # importing never fails
         with pytest.raises(RuntimeError, match="GUARD_"):
-            async with LifespanManager(create_app()):
+            async with LifespanManager(create_app(), startup_timeout=30, shutdown_timeout=30):
                 pass
         monkeypatch.delenv("GUARD_FAIL_OPEN")
         importlib.reload(app.main)
@@ -66,7 +66,9 @@ class TestSettings:
         settings = Settings(env="production", redis_url="memory://", api_key=SecretStr(""),
                             database_url=f"sqlite:///{tmp_path}/r.db")  # fmt: skip
         with pytest.raises(RuntimeError, match="GUARD_API_KEY"):
-            async with LifespanManager(create_app(settings)):
+            async with LifespanManager(
+                create_app(settings), startup_timeout=30, shutdown_timeout=30
+            ):
                 pass
 
 
@@ -80,7 +82,7 @@ class TestEmbeddedRedis:
         settings = make_settings(redis_url="")  # type: ignore[operator]
         for round_ in range(2):
             app = create_app(settings)
-            async with LifespanManager(app) as manager:
+            async with LifespanManager(app, startup_timeout=30, shutdown_timeout=30) as manager:
                 transport = httpx.ASGITransport(app=manager.app)
                 async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
                     assert (await client.get("/health")).json() == {"status": "ok", "redis": "ok"}

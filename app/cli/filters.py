@@ -1,0 +1,355 @@
+"""Filter commands: create, info, list, drop, load, export, import."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from app.cli.common import (
+    Prefix,
+    RedisUrl,
+    cli,
+    console,
+    refuse_records_filter,
+    settings,
+    sync_redis,
+)
+from guard import FilterFullError, FilterInfo, GuardError, SyncCuckooFilter, list_filters_sync
+from guard.dump import export_filter, import_filter, validate_dump
+
+Name = Annotated[str, typer.Argument(help="Filter name (1-64 of A-Z a-z 0-9 _ . -).")]
+Force = Annotated[
+    bool, typer.Option("--force", help="Allow changing the service's records filter.")
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{nbytes} B"
+
+
+def _info_table(info: FilterInfo) -> Table:
+    table = Table(title=f"filter {info.name}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    rows: list[tuple[str, str]] = [
+        ("items", f"{info.items:,}"),
+        ("capacity", f"{info.capacity:,}"),
+        ("load factor", f"{info.load_factor:.3f}"),
+        ("memory", _size(info.memory_bytes)),
+        ("buckets", f"{info.buckets:,} x {info.bucket_size}"),
+        ("fingerprint bits", str(info.fingerprint_bits)),
+        ("sub-filters", str(info.subfilters)),
+        ("expansion", str(info.expansion) if info.expansion else "0 (fixed size)"),
+        ("error rate (estimate)", f"{info.error_rate:.2e}"),
+        ("error rate (target)", f"{info.target_error_rate:g}" if info.target_error_rate else "-"),
+        ("deletes / missed", f"{info.deletes:,} / {info.missed_deletes:,}"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+@cli.command()
+def create(
+    name: Name,
+    capacity: Annotated[int, typer.Option("--capacity", "-c", help="Items it must hold.")],
+    error_rate: Annotated[
+        float | None, typer.Option(help="Target false-positive rate (default 16-bit prints).")
+    ] = None,
+    fingerprint_bits: Annotated[int | None, typer.Option(help="Instead of --error-rate.")] = None,
+    bucket_size: Annotated[int, typer.Option(help="Slots per bucket: 1, 2, 4 or 8.")] = 4,
+    max_kicks: Annotated[int, typer.Option(help="Relocations before an insert fails.")] = 500,
+    expansion: Annotated[int, typer.Option(help="Growth factor when full; 0 = fixed.")] = 2,
+    seed: Annotated[int | None, typer.Option(help="Hash seed (random by default).")] = None,
+    redis_url: RedisUrl = None,
+    prefix: Prefix = None,
+    force: Force = False,
+) -> None:
+    """Create a filter."""
+    cfg = settings(redis_url=redis_url, key_prefix=prefix)
+    refuse_records_filter(cfg, name, force)
+    params: dict[str, Any] = {
+        "bucket_size": bucket_size,
+        "max_kicks": max_kicks,
+        "expansion": expansion,
+        "error_rate": error_rate,
+        "fingerprint_bits": fingerprint_bits,
+        "seed": seed,
+    }
+    with sync_redis(cfg) as redis:
+        info = SyncCuckooFilter(redis, name, cfg.key_prefix).reserve(capacity, **params)
+    console.print(_info_table(info))
+
+
+@cli.command()
+def info(name: Name, redis_url: RedisUrl = None, prefix: Prefix = None, as_json: AsJson = False):
+    """Show a filter's size, load and error rate."""
+    cfg = settings(redis_url=redis_url, key_prefix=prefix)
+    with sync_redis(cfg) as redis:
+        result = SyncCuckooFilter(redis, name, cfg.key_prefix).info()
+    if as_json:
+        console.print_json(json.dumps(result.as_dict()))
+    else:
+        console.print(_info_table(result))
+
+
+@cli.command("list")
+def list_(redis_url: RedisUrl = None, prefix: Prefix = None, as_json: AsJson = False) -> None:
+    """List the filters under the key prefix."""
+    cfg = settings(redis_url=redis_url, key_prefix=prefix)
+    infos: list[FilterInfo] = []
+    with sync_redis(cfg) as redis:
+        for name in list_filters_sync(redis, cfg.key_prefix):
+            try:
+                infos.append(SyncCuckooFilter(redis, name, cfg.key_prefix).info())
+            except GuardError:
+                continue  # dropped meanwhile
+    if as_json:
+        console.print_json(json.dumps([i.as_dict() for i in infos]))
+        return
+    table = Table(title=f"filters under {cfg.key_prefix!r}")
+    for col in ("name", "items", "capacity", "load", "memory", "error rate"):
+        table.add_column(col, justify="left" if col == "name" else "right")
+    for i in infos:
+        table.add_row(
+            i.name,
+            f"{i.items:,}",
+            f"{i.capacity:,}",
+            f"{i.load_factor:.3f}",
+            _size(i.memory_bytes),
+            f"{i.error_rate:.1e}",
+        )
+    console.print(table if infos else "no filters")
+
+
+@cli.command()
+def drop(
+    name: Name,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
+    redis_url: RedisUrl = None,
+    prefix: Prefix = None,
+    force: Force = False,
+) -> None:
+    """Delete a filter."""
+    cfg = settings(redis_url=redis_url, key_prefix=prefix)
+    refuse_records_filter(cfg, name, force)
+    if not yes:
+        typer.confirm(f"drop filter {name!r}?", abort=True)
+    with sync_redis(cfg) as redis:
+        if not SyncCuckooFilter(redis, name, cfg.key_prefix).drop():
+            raise GuardError(f"{name}: no such filter")
+    console.print(f"dropped {name}")
+
+
+def _count_lines(path: Path) -> int:
+    lines = 0
+    last = b"\n"
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            lines += block.count(b"\n")
+            last = block[-1:]
+    return lines + (last != b"\n")
+
+
+def _items(path: Path, column: str | None, header: bool) -> Iterator[str]:
+    with path.open("r", encoding="utf-8", newline="") as f:
+        if column is None:
+            for line in f:
+                item = line.rstrip("\r\n")
+                if item:
+                    yield item
+            return
+        rows = csv.reader(f)
+        index: int
+        if header:
+            names = next(rows, [])
+            if column in names:
+                index = names.index(column)
+            elif column.isdigit():
+                index = int(column)
+            else:
+                raise ValueError(f"{path}: no column {column!r} (columns: {', '.join(names)})")
+        elif column.isdigit():
+            index = int(column)
+        else:
+            raise ValueError("--column must be a number with --no-header")
+        for lineno, row in enumerate(rows, start=2 if header else 1):
+            if not row:
+                continue
+            if index >= len(row):
+                raise ValueError(f"{path}:{lineno}: row has no column {index}")
+            if row[index]:
+                yield row[index]
+
+
+def _batches(items: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+@cli.command()
+def load(
+    name: Name,
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Text or CSV file.")],
+    column: Annotated[
+        str | None,
+        typer.Option(
+            help="CSV column (header name or 0-based index); without it, one item a line."
+        ),
+    ] = None,
+    header: Annotated[bool, typer.Option(help="The CSV's first row names the columns.")] = True,
+    batch: Annotated[int, typer.Option(min=1, max=100_000, help="Items per round trip.")] = 5000,
+    unique: Annotated[bool, typer.Option(help="Skip items that are probably present.")] = False,
+    create: Annotated[
+        bool, typer.Option("--create", help="Create the filter if missing, sized for the file.")
+    ] = False,
+    error_rate: Annotated[float, typer.Option(help="Error rate for --create.")] = 0.001,
+    redis_url: RedisUrl = None,
+    prefix: Prefix = None,
+    force: Force = False,
+) -> None:
+    """Bulk-insert items from a text file (one a line) or a CSV column."""
+    cfg = settings(redis_url=redis_url, key_prefix=prefix)
+    refuse_records_filter(cfg, name, force)
+    if column is None and file.suffix.lower() == ".csv":
+        raise ValueError(f"{file} is a CSV file: say which --column to load")
+    total = max(0, _count_lines(file) - (1 if column is not None and header else 0))
+    with sync_redis(cfg) as redis:
+        cf = SyncCuckooFilter(redis, name, cfg.key_prefix)
+        if not cf.exists():
+            if not create:
+                raise GuardError(f"{name}: no such filter (create it, or pass --create)")
+            cf.reserve(max(1, total), error_rate=error_rate)
+        added = seen = 0
+        start = time.perf_counter()
+        columns = [
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TaskProgressColumn(),
+            TimeElapsedColumn(),
+        ]
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task(f"load {name}", total=total)
+            for part in _batches(_items(file, column, header), batch):
+                try:
+                    results = cf.insert_many(part, unique=unique)
+                except FilterFullError as exc:
+                    added += sum(exc.results)
+                    raise GuardError(
+                        f"{name}: filter is full after {seen + sum(exc.results):,} items "
+                        f"({added:,} added); create it larger or with --expansion"
+                    ) from None
+                seen += len(part)
+                added += sum(results)
+                progress.update(task, completed=seen)
+            progress.update(task, total=seen, completed=seen)
+        elapsed = time.perf_counter() - start
+        result = cf.info()
+    rate = seen / elapsed if elapsed > 0 else 0.0
+    console.print(
+        f"loaded {seen:,} items into {name!r} ({added:,} added) in {elapsed:.2f} s: "
+        f"{rate:,.0f} items/s; load factor {result.load_factor:.3f}, {result.items:,} items, "
+        f"{_size(result.memory_bytes)}, {result.subfilters} sub-filter(s)"
+    )
+
+
+def _byte_progress(label: str) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=console,
+    )
+
+
+@cli.command("export")
+def export_(
+    name: Name,
+    file: Annotated[Path, typer.Argument(dir_okay=False, help="Dump file to write.")],
+    chunk_bytes: Annotated[int, typer.Option(min=1, help="Bytes per chunk.")] = 1 << 20,
+    redis_url: RedisUrl = None,
+    prefix: Prefix = None,
+) -> None:
+    """Dump a filter to a file: a consistent snapshot, in chunks, with a SHA-256."""
+    cfg = settings(redis_url=redis_url, key_prefix=prefix)
+    tmp = file.with_name(file.name + ".part")
+    with sync_redis(cfg) as redis:
+        cf = SyncCuckooFilter(redis, name, cfg.key_prefix)
+        with _byte_progress("export") as progress, tmp.open("wb") as out:
+            task = progress.add_task(f"export {name}", total=None)
+            try:
+                summary = export_filter(
+                    cf,
+                    out,
+                    chunk_bytes=chunk_bytes,
+                    progress=lambda n: progress.advance(task, n),
+                )
+            except BaseException:
+                out.close()
+                tmp.unlink(missing_ok=True)
+                raise
+    tmp.replace(file)  # a reader never sees half a dump under the final name
+    console.print(
+        f"exported {name!r}: {summary.items:,} items, {summary.subfilters} sub-filter(s), "
+        f"{_size(summary.bytes)} -> {file} (sha256 {summary.sha256[:16]}...)"
+    )
+
+
+@cli.command("import")
+def import_(
+    name: Name,
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Dump to restore.")],
+    redis_url: RedisUrl = None,
+    prefix: Prefix = None,
+    force: Force = False,
+) -> None:
+    """Restore a filter from a dump (replacing it atomically if it exists).
+
+    The whole file is checked first (checksum, lengths); a corrupt or truncated dump is
+    refused and the existing filter is left untouched.
+    """
+    cfg = settings(redis_url=redis_url, key_prefix=prefix)
+    refuse_records_filter(cfg, name, force)
+    header = validate_dump(file)
+    with sync_redis(cfg) as redis:
+        cf = SyncCuckooFilter(redis, name, cfg.key_prefix)
+        with _byte_progress("import") as progress:
+            task = progress.add_task(f"import {name}", total=sum(header.lengths))
+            import_filter(cf, file, progress=lambda n: progress.advance(task, n))
+        result = cf.info()
+    source = f" (dumped from {header.name!r})" if header.name != name else ""
+    console.print(
+        f"imported {name!r}{source}: {result.items:,} items, load factor "
+        f"{result.load_factor:.3f}, {_size(result.memory_bytes)}"
+    )

@@ -1,0 +1,166 @@
+"""A bounded HTTP load generator for `guard demo` and `guard attack`: legitimate reads of
+seeded records mixed with a flood of random keys that exist nowhere."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from rich.table import Table
+
+
+@dataclass
+class Tally:
+    """What the client saw; the server's own counters come from GET /stats."""
+
+    started: float = field(default_factory=time.monotonic)
+    requests: int = 0
+    legit: int = 0
+    attack: int = 0
+    found: int = 0  # legit reads answered 200
+    blocked: int = 0  # X-Guard: blocked
+    passed: int = 0  # X-Guard: passed
+    attack_passed: int = 0  # random keys the filter let through: false positives
+    errors: int = 0
+    statuses: dict[int, int] = field(default_factory=dict)
+    finished: float | None = None
+
+    @property
+    def elapsed(self) -> float:
+        end = self.finished if self.finished is not None else time.monotonic()
+        return max(1e-9, end - self.started)
+
+
+@dataclass
+class Snapshot:
+    """Server counters and the records filter's info, as last polled (None: unreachable)."""
+
+    stats: dict[str, Any] | None = None
+    filter: dict[str, Any] | None = None
+
+
+async def poll(client: httpx.AsyncClient, records_filter: str) -> Snapshot:
+    snap = Snapshot()
+    try:
+        r = await client.get("/stats")
+        if r.status_code == 200:
+            snap.stats = r.json()
+        r = await client.get(f"/filters/{records_filter}")
+        if r.status_code == 200:
+            snap.filter = r.json()
+    except httpx.HTTPError:
+        pass
+    return snap
+
+
+async def run(
+    client: httpx.AsyncClient,
+    tally: Tally,
+    *,
+    duration: float,
+    concurrency: int,
+    rate: float,
+    legit_ratio: float,
+    records: int,
+    on_tick: Callable[[], Any] | None = None,
+    tick: float = 0.25,
+) -> None:
+    """Send requests for `duration` seconds (0: until cancelled), at most `rate` per second
+    (0: as fast as `concurrency` workers go)."""
+    deadline = time.monotonic() + duration if duration > 0 else float("inf")
+    interval = concurrency / rate if rate > 0 else 0.0
+    rng = random.Random()
+    tally.started = time.monotonic()
+
+    async def worker(offset: float) -> None:
+        next_at = time.monotonic() + offset
+        while time.monotonic() < deadline:
+            if interval:
+                delay = next_at - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                next_at += interval
+            legit = records > 0 and rng.random() < legit_ratio
+            key = f"user-{rng.randint(1, records)}" if legit else f"ghost-{secrets.token_hex(8)}"
+            try:
+                r = await client.get(f"/records/{key}")
+            except httpx.HTTPError:
+                tally.errors += 1
+                await asyncio.sleep(0.05)
+                continue
+            tally.requests += 1
+            tally.statuses[r.status_code] = tally.statuses.get(r.status_code, 0) + 1
+            decision = r.headers.get("x-guard", "")
+            if decision == "blocked":
+                tally.blocked += 1
+            elif decision == "passed":
+                tally.passed += 1
+            if legit:
+                tally.legit += 1
+                tally.found += r.status_code == 200
+            else:
+                tally.attack += 1
+                tally.attack_passed += decision == "passed"
+
+    workers = [asyncio.create_task(worker(i * interval / concurrency)) for i in range(concurrency)]
+    try:
+        while not all(w.done() for w in workers):
+            await asyncio.wait(workers, timeout=tick)
+            if on_tick:
+                await on_tick() if asyncio.iscoroutinefunction(on_tick) else on_tick()
+        for w in workers:
+            w.result()  # surface a crashed worker
+    finally:
+        tally.finished = time.monotonic()
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+
+
+def table(tally: Tally, snap: Snapshot, db_latency_ms: float, title: str) -> Table:
+    """The live table: requests, blocked, passed, database queries and queries saved, and the
+    observed false-positive rate next to the filter's own estimate."""
+    t = Table(title=title, title_justify="left", min_width=64)
+    t.add_column("", style="bold")
+    t.add_column("value", justify="right")
+    t.add_column("", style="dim")
+    s = snap.stats or {}
+    rps = tally.requests / tally.elapsed
+    t.add_row("requests", f"{tally.requests:,}", f"{rps:,.0f}/s")
+    t.add_row("  legitimate reads", f"{tally.legit:,}", f"{tally.found:,} found")
+    t.add_row("  random keys (attack)", f"{tally.attack:,}", "")
+    t.add_row("blocked by the filter", f"{s.get('blocked', tally.blocked):,}", "404, no DB query")
+    t.add_row("passed to the app", f"{s.get('passed', tally.passed):,}", "")
+    if snap.stats is not None:
+        queries = s.get("db_queries", 0)
+        hits = s.get("cache_hits", 0)
+        t.add_row("database queries", f"{queries:,}", f"{hits:,} cache hits")
+        saved = s.get("blocked", 0)
+        note = f"{saved * db_latency_ms / 1000:,.1f} s of DB time" if db_latency_ms else ""
+        t.add_row("database queries saved", f"{saved:,}", note)
+    observed = tally.attack_passed / tally.attack if tally.attack else 0.0
+    t.add_row(
+        "false positives (observed)",
+        f"{observed:.2e}",
+        f"{tally.attack_passed} of {tally.attack:,}",
+    )
+    if snap.filter is not None:
+        f = snap.filter
+        target = f.get("target_error_rate")
+        t.add_row(
+            "false-positive rate (estimate)",
+            f"{f.get('error_rate', 0.0):.2e}",
+            f"target {target:g}" if target else "",
+        )
+        t.add_row(
+            "filter load factor", f"{f.get('load_factor', 0.0):.3f}", f"{f.get('items', 0):,} items"
+        )
+    if tally.errors:
+        t.add_row("transport errors", f"{tally.errors:,}", "")
+    return t

@@ -1,0 +1,149 @@
+"""The dashboard: GET / and its JSON, then the page itself in headless Chromium (Debian's
+`chromium` + `chromium-driver`, driven by Selenium) against a served instance.
+
+Never skipped: without Chromium the browser test fails and says what to install
+(`apt-get install -y chromium chromium-driver`, `pip install -e ".[dev]"` for selenium).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from asgi_lifespan import LifespanManager
+
+from app.main import create_app
+from app.settings import Settings
+from tests.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTALL = "install it: apt-get install -y chromium chromium-driver"
+
+
+async def test_page_and_json_are_served(tmp_path: Path) -> None:
+    """The page and its assets come from the package; the JSON has counters and filters."""
+    app = create_app(
+        Settings(redis_url="memory://", database_url="sqlite:///:memory:", demo_records=10)
+    )
+    async with LifespanManager(app, startup_timeout=30, shutdown_timeout=30) as manager:
+        transport = httpx.ASGITransport(app=manager.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            page = await client.get("/")
+            assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+            for asset in ("/static/dashboard.js", "/static/dashboard.css"):
+                assert (await client.get(asset)).status_code == 200
+            assert (await client.get("/static/../settings.py")).status_code == 404
+            await client.get("/records/user-1")
+            await client.get("/records/nobody")
+            data = (await client.get("/dashboard.json")).json()
+            assert data["stats"]["blocked"] == 1 and data["stats"]["passed"] == 1
+            assert [f["name"] for f in data["filters"]] == ["records"]
+            assert data["filters"][0]["items"] == 10
+            assert data["history"][-1]["blocked"] == 1
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
+    env |= {
+        "GUARD_REDIS_URL": "memory://",
+        "GUARD_DATABASE_URL": f"sqlite:///{tmp_path}/records.db",
+        "GUARD_DEMO_RECORDS": "200",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"],
+        env=env, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "service did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def chrome() -> object:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if not chromium or not driver:
+        pytest.fail(f"headless Chromium and chromedriver are needed: {INSTALL}")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        pytest.fail('selenium is needed: pip install -e ".[dev]"')
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--no-first-run",
+        "--window-size=1200,900",
+    ):
+        options.add_argument(flag)  # fmt: skip
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(options=options, service=Service(executable_path=driver))
+
+
+def test_page_in_chromium_shows_live_numbers(served: str) -> None:
+    """Loads without console errors; the counters, chart and filter table follow the traffic."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser = chrome()
+    try:
+        browser.get(f"{served}/?interval=300")  # type: ignore[attr-defined]
+        wait = WebDriverWait(browser, 15)
+        text = lambda i: browser.find_element(By.ID, i).text  # type: ignore[attr-defined]  # noqa: E731
+        wait.until(lambda _: text("status") == "live")
+        assert text("blocked") == "0"
+        # Rows and chart lines are redrawn on every poll: read them in one script call.
+        js = "const e = document.querySelector(arguments[0]); return e && e.%s;"
+        row = browser.execute_script(js % "textContent", "#filters tr[data-filter=records]")  # type: ignore[attr-defined]
+        assert "200" in row
+        with httpx.Client(base_url=served) as client:
+            for i in range(60):
+                client.get(f"/records/ghost-{i}")
+                client.get(f"/records/user-{i + 1}")
+            wait.until(lambda _: text("blocked") == "60")
+            time.sleep(1.2)  # a second sample, so the chart has a rate to draw
+            for i in range(30):
+                client.get(f"/records/ghost2-{i}")
+        wait.until(lambda _: text("blocked") == "90")
+        assert text("passed") == "60"
+        assert int(text("db_queries").replace(",", "")) >= 60
+        assert text("saved") == "90"
+        wait.until(
+            lambda _: browser.execute_script(  # type: ignore[attr-defined]
+                js % "getAttribute('points')", "#chart polyline[data-series=blocked]"
+            )
+        )
+        if os.environ.get("GUARD_DASHBOARD_SCREENSHOT"):
+            browser.save_screenshot(os.environ["GUARD_DASHBOARD_SCREENSHOT"])  # type: ignore[attr-defined]
+        errors = [
+            e for e in browser.get_log("browser")  # type: ignore[attr-defined]
+            if e["level"] in ("SEVERE", "ERROR")
+        ]  # fmt: skip
+        assert not errors, errors
+    finally:
+        browser.quit()  # type: ignore[attr-defined]

@@ -1,0 +1,197 @@
+"""Dockerfile and docker-compose.yml, checked against the code (no Docker engine here), and
+their commands run directly: the image's CMD and HEALTHCHECK, and the attack service."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import typer
+import yaml
+
+from app.cli import cli
+from app.settings import Settings
+from tests.redis_server import RedisProcess, free_port, reachable
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = {f"GUARD_{name.upper()}" for name in Settings.model_fields}
+
+
+def dockerfile() -> dict[str, list[str]]:
+    """Instruction -> its arguments, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.setdefault(word.upper(), []).append(rest.strip())
+    return out
+
+
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return data
+
+
+def exec_form(text: str) -> list[str]:
+    args = json.loads(text)
+    assert isinstance(args, list), text
+    return [str(a) for a in args]
+
+
+def parse_cli(argv: list[str]) -> None:
+    """Parse argv with the real `guard` command tree (raises on an unknown command/option)."""
+    assert argv[0] == "guard", argv
+    group = typer.main.get_command(cli)
+    ctx = group.make_context("guard", [argv[1]])
+    command = group.get_command(ctx, argv[1])  # type: ignore[attr-defined]
+    assert command is not None, argv[1]
+    command.make_context(argv[1], list(argv[2:]), parent=ctx)
+
+
+def healthcheck_cmd() -> list[str]:
+    (line,) = dockerfile()["HEALTHCHECK"]
+    assert "CMD" in line
+    return exec_form(line.split("CMD", 1)[1].strip())
+
+
+def compose_env(service: str) -> dict[str, str]:
+    env = compose()["services"][service].get("environment", {})
+    # ${VAR:-default} -> default, as compose does when VAR is unset.
+    return {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)) for k, v in env.items()}
+
+
+class TestDockerfile:
+    def test_slim_base_non_root_and_port(self) -> None:
+        d = dockerfile()
+        assert re.match(r"python:3\.1[1-9]-slim", d["FROM"][0])
+        (user,) = d["USER"]
+        assert user not in ("root", "0")
+        assert d["EXPOSE"] == ["8000"]
+        assert any("pip install ." in r for r in d["RUN"])
+        assert any("useradd" in r and user in r for r in d["RUN"])
+
+    def test_copied_files_exist_and_are_not_ignored(self) -> None:
+        ignore = (ROOT / ".dockerignore").read_text().split()
+        for line in dockerfile()["COPY"]:
+            *sources, _dest = line.split()
+            for src in sources:
+                assert (ROOT / src).exists(), f"COPY {src}: missing"
+                assert f"!{src.rstrip('/')}/" in ignore or f"!{src}" in ignore, src
+
+    def test_cmd_is_guard_serve_on_the_exposed_port(self) -> None:
+        (cmd,) = dockerfile()["CMD"]
+        argv = exec_form(cmd)
+        assert argv[:2] == ["guard", "serve"]
+        assert argv[argv.index("--port") + 1] == dockerfile()["EXPOSE"][0]
+        assert argv[argv.index("--host") + 1] == "0.0.0.0"
+        parse_cli(argv)
+
+    def test_healthcheck_probes_health_on_the_port(self) -> None:
+        probe = " ".join(healthcheck_cmd())
+        assert "http://127.0.0.1:8000/health" in probe
+
+    def test_env_vars_are_settings(self) -> None:
+        for line in dockerfile()["ENV"]:
+            for name in re.findall(r"(GUARD_\w+)=", line):
+                assert name in SETTINGS, name
+
+
+class TestCompose:
+    def test_redis_persistent_and_healthy(self) -> None:
+        c = compose()
+        r = c["services"]["redis"]
+        assert r["image"].startswith("redis:7")
+        assert "--appendonly" in r["command"] and "yes" in r["command"]
+        volume = r["volumes"][0].split(":")[0]
+        assert volume in c["volumes"]
+        assert "ping" in r["healthcheck"]["test"]
+
+    def test_guard_service(self) -> None:
+        g = compose()["services"]["guard"]
+        assert g["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert g["build"] == "."
+        assert g["ports"] == ["8000:8000"]
+        env = compose_env("guard")
+        assert set(env) <= SETTINGS, set(env) - SETTINGS
+        assert {"GUARD_API_KEY", "GUARD_DEMO_RECORDS", "GUARD_DB_LATENCY_MS"} <= set(env)
+        Settings(**{k.removeprefix("GUARD_").lower(): v for k, v in env.items()})
+        assert g["healthcheck"]["test"][1:] == healthcheck_cmd()
+
+    def test_attack_profile_runs_a_real_command(self) -> None:
+        a = compose()["services"]["attack"]
+        assert a["profiles"] == ["attack"]
+        assert a["depends_on"]["guard"]["condition"] == "service_healthy"
+        assert set(compose_env("attack")) <= SETTINGS
+        argv = a["command"]
+        assert argv[:2] == ["guard", "attack"]
+        assert argv[argv.index("--url") + 1] == "http://guard:8000"
+        parse_cli(argv)
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    url = os.environ.get("GUARD_TEST_CLI_REDIS_URL", "redis://127.0.0.1:6379/11")
+    server = None if reachable(url) else RedisProcess.start()
+    yield url if server is None else server.url
+    if server is not None:
+        server.stop()
+
+
+def test_compose_commands_run(redis_url: str, tmp_path: Path) -> None:
+    """The image's CMD with compose's environment, probed by the HEALTHCHECK, attacked by the
+    attack service's command: blocked reads show in /stats."""
+    port = free_port()
+    prefix = f"test:deploy:{uuid.uuid4().hex[:12]}:"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
+    env |= compose_env("guard")
+    env |= {
+        "GUARD_REDIS_URL": redis_url,  # instead of redis://redis:6379/0
+        "GUARD_KEY_PREFIX": prefix,
+        "GUARD_DATABASE_URL": f"sqlite:///{tmp_path}/records.db",  # instead of /data
+        "GUARD_DEMO_RECORDS": "2000",
+    }
+    serve = exec_form(dockerfile()["CMD"][0])
+    serve[serve.index("--port") + 1] = str(port)
+    serve[serve.index("--host") + 1] = "127.0.0.1"
+    guard_bin = [sys.executable, "-m", "app.cli"]
+    proc = subprocess.Popen(guard_bin + serve[1:], env=env, stderr=subprocess.PIPE)
+    probe = [sys.executable if a == "python" else a for a in healthcheck_cmd()]
+    probe = [a.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for a in probe]
+    try:
+        deadline = time.monotonic() + 30
+        while subprocess.run(probe, capture_output=True).returncode != 0:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "healthcheck never passed"
+            time.sleep(0.2)
+        attack = list(compose()["services"]["attack"]["command"])
+        attack[attack.index("--url") + 1] = f"http://127.0.0.1:{port}"
+        attack[attack.index("--records") + 1] = "2000"
+        run = subprocess.run(
+            guard_bin + attack[1:] + ["--duration", "2"],
+            env={**env, **compose_env("attack")}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        stats = httpx.get(f"http://127.0.0.1:{port}/stats").json()
+        assert stats["blocked"] > 100, (stats, shlex.join(attack))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        client = redis.Redis.from_url(redis_url)
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
