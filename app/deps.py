@@ -20,12 +20,14 @@ from guard import CuckooFilter
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
 
 
-def get_settings(request: Request) -> Settings:
+# Dependencies are `async def`: FastAPI runs plain `def` ones in a worker thread, and that
+# hand-off cost a third of a lookup request's time (py-spy, docs/benchmarks.md).
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     metrics: Metrics = request.app.state.metrics
     return metrics
 
@@ -37,22 +39,22 @@ def _lifespan_state(request: Request, name: str) -> Any:
         raise RuntimeError(f"{name} is not set up: run the app with its lifespan") from None
 
 
-def get_redis(request: Request) -> aioredis.Redis:
+async def get_redis(request: Request) -> aioredis.Redis:
     redis: aioredis.Redis = _lifespan_state(request, "redis")
     return redis
 
 
-def get_db(request: Request) -> Database:
+async def get_db(request: Request) -> Database:
     db: Database = _lifespan_state(request, "db")
     return db
 
 
-def get_records(request: Request) -> RecordStore:
+async def get_records(request: Request) -> RecordStore:
     records: RecordStore = _lifespan_state(request, "records")
     return records
 
 
-def get_idempotency(request: Request) -> Idempotency:
+async def get_idempotency(request: Request) -> Idempotency:
     idem: Idempotency = _lifespan_state(request, "idempotency")
     return idem
 
@@ -97,7 +99,7 @@ class FilterHandles:
         return handle
 
 
-def get_filter_handles(request: Request) -> FilterHandles:
+async def get_filter_handles(request: Request) -> FilterHandles:
     handles: FilterHandles = _lifespan_state(request, "filters")
     return handles
 
@@ -105,14 +107,14 @@ def get_filter_handles(request: Request) -> FilterHandles:
 FiltersDep = Annotated[FilterHandles, Depends(get_filter_handles)]
 
 
-def get_filter(name: FilterName, filters: FiltersDep) -> CuckooFilter:
+async def get_filter(name: FilterName, filters: FiltersDep) -> CuckooFilter:
     return filters.get(name)
 
 
 FilterDep = Annotated[CuckooFilter, Depends(get_filter)]
 
 
-def get_writable_filter(cf: FilterDep, settings: SettingsDep) -> CuckooFilter:
+async def get_writable_filter(cf: FilterDep, settings: SettingsDep) -> CuckooFilter:
     """A filter the API may change: not one that follows a table (that would break its
     one-fingerprint-per-row bookkeeping; a deleted fingerprint is a false negative)."""
     if cf.name == settings.records_filter:
