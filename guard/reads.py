@@ -4,10 +4,15 @@ A lookup only reads, and one Redis command is atomic by itself, so no script is 
 command carries the header fields, the trailer and the item's two buckets, and is checked here
 exactly as the scripts check a header (docs/format.md). Every command validates itself, so a
 chunked batch cannot mix two layouts; several sub-filters are read in one MULTI.
+
+Reads are as wide as BITFIELD allows: the header in three 64-bit words, a bucket in as few
+reads as hold whole slots in 64 bits (one for b=4, f=16). Each GET sub-command costs the
+server and the client (packing, parsing) far more than the bits it carries.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -15,23 +20,13 @@ from guard import hashing
 from guard import layout as fmt
 from guard.layout import Layout
 
-# (type, bit offset) of the header fields sub-filter 0 is checked by, in Layout.args() order
-# after magic: bucket_size, fp_bits, fp_step, expansion, subfilters, max_kicks, buckets0, seed,
-# then the version.
-_HEADER0 = (
-    ("u32", 0),
-    ("u8", 40),
-    ("u8", 48),
-    ("u8", 56),
-    ("u8", 64),
-    ("u8", 72),
-    ("u16", 128),
-    ("u32", 96),
-    ("u32", 160),
-    ("u8", 32),
-)
-_HEADER_N = (("u32", 0), ("u8", 80))
+# Sub-filter 0's header bytes 0..23 as three i64 words (all positive in a valid header):
+# magic, version, b, f0, fp_step | expansion, subfilters, index, flags, m0 | kicks, -, seed.
+_HEADER0 = (("i64", 0), ("i64", 64), ("i64", 128))
+_HEADER0_WORDS = struct.Struct(">IBBBBBBBBIHHI")
+_HEADER_N = (("u32", 0), ("u8", 80))  # other sub-filters: magic and index
 MAX_GETS = 2000
+_U64 = 1 << 64
 
 
 class Stale(Exception):
@@ -51,6 +46,39 @@ class BadHeader(Exception):
         self.reason = reason
 
 
+@dataclass(frozen=True)
+class _BucketReads:
+    """How one bucket of a sub-filter is read: (first slot, slots, bits) per GET."""
+
+    parts: tuple[tuple[int, int, int], ...]
+    fp_bits: int
+
+    @classmethod
+    def plan(cls, bucket_size: int, fp_bits: int) -> _BucketReads:
+        per_read = max(1, min(bucket_size, 64 // fp_bits))
+        parts = tuple(
+            (s, min(per_read, bucket_size - s), min(per_read, bucket_size - s) * fp_bits)
+            for s in range(0, bucket_size, per_read)
+        )
+        return cls(parts, fp_bits)
+
+    def gets(self, bucket_bit: int) -> list[object]:
+        out: list[object] = []
+        for first, _, bits in self.parts:
+            # u64 does not exist (unsigned tops out at 63 bits): read i64, fix the sign below.
+            out += ("GET", "i64" if bits == 64 else f"u{bits}", bucket_bit + first * self.fp_bits)
+        return out
+
+    def holds(self, values: Sequence[int], fp: int) -> bool:
+        f, mask = self.fp_bits, (1 << self.fp_bits) - 1
+        for (_, count, bits), v in zip(self.parts, values, strict=True):
+            v %= _U64
+            for j in range(count):
+                if (v >> (bits - (j + 1) * f)) & mask == fp:
+                    return True
+        return False
+
+
 @dataclass
 class _Command:
     subfilter: int
@@ -68,12 +96,13 @@ class ReadPlan:
         self.layout = layout
         self.count = len(hashes)
         b = layout.bucket_size
-        per_command = max(1, (MAX_GETS - len(_HEADER0) - 1) // (2 * b))
         fixed = [(h, hashing.fix_g(g, layout.fp_bits)) for h, g in hashes]
+        self.reads = [_BucketReads.plan(b, layout.fp_bits_at(n)) for n in range(layout.subfilters)]
         self.commands: list[_Command] = []
-        for n in range(layout.subfilters):
+        for n, reads in enumerate(self.reads):
             m, f = layout.buckets(n), layout.fp_bits_at(n)
-            ftype = f"u{f}"
+            per_item = 2 * len(reads.parts)
+            per_command = max(1, (MAX_GETS - len(_HEADER0) - 1) // per_item)
             trailer = (layout.string_bytes(n) - 1) * 8
             header = _HEADER0 if n == 0 else _HEADER_N
             for start in range(0, max(1, self.count), per_command):
@@ -85,20 +114,16 @@ class ReadPlan:
                 fps = []
                 for k in idx:
                     h, g = fixed[k]
-                    fp = hashing.fingerprint(g, f)
                     i1 = h % m
                     i2 = hashing.alt_bucket(i1, hashing.fingerprint(g, layout.fp_bits), m)
-                    fps.append(fp)
-                    for i in (i1, i2):
-                        base = fmt.HEADER_BYTES * 8 + i * b * f
-                        for s in range(b):
-                            args += ("GET", ftype, base + s * f)
+                    fps.append(hashing.fingerprint(g, f))
+                    args += reads.gets(fmt.HEADER_BYTES * 8 + i1 * b * f)
+                    args += reads.gets(fmt.HEADER_BYTES * 8 + i2 * b * f)
                 self.commands.append(_Command(n, idx, fps, args))
 
     def evaluate(self, replies: Sequence[Sequence[int]]) -> list[bool]:
         """Results per item; raises Stale or BadHeader when a header check fails."""
         found = [False] * self.count
-        width = 2 * self.layout.bucket_size
         for cmd, reply in zip(self.commands, replies, strict=True):
             key = str(cmd.args[0])
             if cmd.subfilter == 0:
@@ -110,19 +135,27 @@ class ReadPlan:
                 if reply[2] != fmt.TRAILER:
                     raise BadHeader(key, f"truncated: {key}")
                 skip = len(_HEADER_N) + 1
-            for j, (k, fp) in enumerate(zip(cmd.items, cmd.fps, strict=True)):
+            reads = self.reads[cmd.subfilter]
+            width = len(reads.parts)
+            pos = skip
+            for k, fp in zip(cmd.items, cmd.fps, strict=True):
                 if not found[k]:
-                    slots = reply[skip + j * width : skip + (j + 1) * width]
-                    found[k] = fp in slots
+                    found[k] = reads.holds(reply[pos : pos + width], fp) or reads.holds(
+                        reply[pos + width : pos + 2 * width], fp
+                    )
+                pos += 2 * width
         return found
 
     def _check_header0(self, key: str, reply: Sequence[int]) -> None:
-        if reply[0] != fmt.MAGIC:
+        raw = b"".join((int(w) % _U64).to_bytes(8, "big") for w in reply[:3])
+        magic, version, *fields = _HEADER0_WORDS.unpack(raw)
+        if magic != fmt.MAGIC:
             raise BadHeader(key, f"bad magic in {key}")
-        if reply[9] != fmt.VERSION:
+        if version != fmt.VERSION:
             raise BadHeader(key, "unsupported format version")
-        stored = [int(x) for x in reply[1:9]]
-        if stored != self.layout.args():
-            raise Stale(Layout(*stored))
+        b, f0, step, exp, nsub, _index, _flags, m0, kicks, _shards, seed = fields
+        stored = Layout(b, f0, step, exp, nsub, kicks, m0, seed)
+        if stored != self.layout:
+            raise Stale(stored)
         if reply[len(_HEADER0)] != fmt.TRAILER:
             raise BadHeader(key, f"truncated: {key}")

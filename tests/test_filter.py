@@ -338,3 +338,26 @@ class TestScriptsAndListing:
         assert not stage.exists()
         with pytest.raises(FilterNotFoundError):
             stage.promote()
+
+
+class TestReadWidths:
+    """Lookups read whole buckets in as few 64-bit-or-narrower reads as hold their slots."""
+
+    @pytest.mark.parametrize(
+        ("bucket_size", "bits"),
+        [(1, 32), (2, 32), (4, 16), (8, 16), (8, 32), (4, 13), (2, 17), (4, 5), (8, 8)],
+    )
+    def test_lookups_agree_with_the_reference(
+        self, cf: SyncCuckooFilter, bucket_size: int, bits: int
+    ) -> None:
+        from tests.reference import ReferenceFilter
+
+        cf.reserve(400, bucket_size=bucket_size, fingerprint_bits=bits, expansion=2, seed=5)
+        present = items(900)
+        assert all(cf.insert_many(present))
+        ref = ReferenceFilter(cf._layout)
+        for x in present:
+            ref.insert(x)
+        probe = present + items(3000, "absent")
+        assert cf.lookup_many(probe) == [ref.lookup(x) for x in probe]
+        assert all(cf.lookup_many(present))
