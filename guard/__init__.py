@@ -15,6 +15,7 @@ from guard.filter import (
     list_filters,
     list_filters_sync,
 )
+from guard.sharded import ShardedCuckooFilter, ShardedFilterInfo, SyncShardedCuckooFilter
 
 __all__ = [
     "CuckooFilter",
@@ -25,7 +26,10 @@ __all__ = [
     "FilterNotFoundError",
     "GuardError",
     "InvalidParameterError",
+    "ShardedCuckooFilter",
+    "ShardedFilterInfo",
     "SyncCuckooFilter",
+    "SyncShardedCuckooFilter",
     "list_filters",
     "list_filters_sync",
 ]

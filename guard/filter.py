@@ -15,7 +15,7 @@ from collections.abc import Generator, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ClusterError, NoScriptError, ResponseError, TryAgainError
 
 from guard import layout as fmt
 from guard import scripts
@@ -197,8 +197,10 @@ class _FilterOps:
 
     # -- operations -------------------------------------------------------------------------
 
-    def _reserve_op(self, layout: Layout, capacity: int, error_rate: float | None) -> Op:
-        header = fmt.pack_header(layout, capacity, error_rate)
+    def _reserve_op(
+        self, layout: Layout, capacity: int, error_rate: float | None, shards: int = 0
+    ) -> Op:
+        header = fmt.pack_header(layout, capacity, error_rate, shards)
         total = fmt.string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
         yield Round([Call("reserve", [self.key(0)], [header, total])])
         self._layout = layout
@@ -269,15 +271,28 @@ class _FilterOps:
         """Chunks run one after another: a full fixed-size filter stops at the first failure."""
         data = [to_bytes(x) for x in items]
         results: list[bool] = []
-        stale = 0
+        stale = spare_less = 0
+        spares = 2
         while len(results) < len(data):
             layout = self._layout
             chunk = max(1, min(INSERT_CHUNK, KICK_BUDGET // max(1, layout.max_kicks)))
             part = data[len(results) : len(results) + chunk] if layout.buckets0 else data[:0]
             # Two spare keys: growth may add sub-filters within one call.
-            keys = self._keys(layout.subfilters + 2)
+            keys = self._keys(layout.subfilters + spares)
             args = [*layout.args(), int(unique), *self._flat_hashes(part, layout.seed)]
-            (reply,) = yield Round([Call("insert", keys, args)])
+            try:
+                (reply,) = yield Round([Call("insert", keys, args)])
+            except (ClusterError, TryAgainError):
+                # Redis Cluster, slot being migrated: a script some of whose keys are missing
+                # (the spares) gets TRYAGAIN until the migration ends. Without spares it runs;
+                # only growth (NEEDKEYS) has to wait for the end of the migration.
+                spare_less += 1
+                if not spares or spare_less > MAX_RETRIES:
+                    raise
+                spares = 0
+                continue
+            if reply[0] == scripts.NEEDKEYS:
+                spares = 2
             if self._adopt(reply):
                 stale += 1
                 if stale > MAX_RETRIES:
@@ -533,6 +548,8 @@ class SyncCuckooFilter(_FilterOps):
             return self.redis.eval(*_eval_args(call))
 
     def _send(self, call: Call | Command, client: Any) -> Any:
+        if client is not self.redis:
+            return _queue(call, self._scripts, client)
         if isinstance(call, Command):
             return client.execute_command(call.name, *call.args)
         return self._scripts[call.script](keys=call.keys, args=call.args, client=client)
@@ -590,11 +607,12 @@ def _eval_args(call: Call | Command) -> list[Any]:
 
 
 def _queue(call: Call | Command, registered: dict[str, Any], pipe: Any) -> None:
-    """Queue a call on an asyncio pipeline without awaiting it.
+    """Queue a call on a pipeline (sync or asyncio), as a raw command, without awaiting it.
 
-    Awaiting what an asyncio ``ClusterPipeline`` returns re-initializes it and empties its
-    queue (redis-py 8), so calls are queued synchronously. A plain pipeline still loads the
-    scripts before it runs; a cluster pipeline's NOSCRIPT replies are re-sent as EVAL.
+    For Redis Cluster pipelines (redis-py 8): awaiting what an asyncio ``ClusterPipeline``
+    returns re-initializes it and empties its queue, and the sync one refuses its ``evalsha``
+    method (not the raw command). A plain pipeline still loads the scripts before it runs; a
+    cluster pipeline's NOSCRIPT replies are re-sent as EVAL by the caller.
     """
     if isinstance(call, Command):
         pipe.execute_command(call.name, *call.args)
@@ -602,7 +620,7 @@ def _queue(call: Call | Command, registered: dict[str, Any], pipe: Any) -> None:
     script = registered[call.script]
     if hasattr(pipe, "scripts"):
         pipe.scripts.add(script)
-    pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+    pipe.execute_command("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
 
 
 def _unloaded(replies: list[Any]) -> list[int]:

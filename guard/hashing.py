@@ -66,3 +66,12 @@ def lehmer_next(state: int) -> int:
 
 def lehmer_seed(h: int, g: int) -> int:
     return (h + g) % (P31 - 1) + 1
+
+
+def shard_of(item: bytes, seed: int, shards: int) -> int:
+    """The shard of an item in a sharded filter: bits 96..127 of the same hash.
+
+    Those bits are neither ``h`` (0..51) nor ``g`` (64..95), so the shard says nothing about
+    the buckets or the fingerprint an item gets inside its shard.
+    """
+    return (mmh3.hash128(item, seed, signed=False) >> 96) % shards

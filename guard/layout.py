@@ -123,7 +123,10 @@ def fp_bits_for(error_rate: float, bucket_size: int, growing: bool) -> int:
     return max(MIN_FP_BITS, math.ceil(bits))
 
 
-def pack_header(layout: Layout, capacity: int, error_rate: float | None) -> bytes:
+SHARDS_BIT_OFFSET = 144  # bytes 18-19: shard count of a sharded filter (0 = not sharded)
+
+
+def pack_header(layout: Layout, capacity: int, error_rate: float | None, shards: int = 0) -> bytes:
     return _HEADER.pack(
         MAGIC,
         VERSION,
@@ -136,7 +139,7 @@ def pack_header(layout: Layout, capacity: int, error_rate: float | None) -> byte
         0,  # flags
         layout.buckets0,
         layout.max_kicks,
-        0,
+        shards,  # bytes 18-19, reserved (0) in unsharded filters
         layout.seed,
         capacity,
         0,  # items

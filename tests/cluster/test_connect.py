@@ -1,0 +1,67 @@
+"""guard.connect: URL parsing, and the client each URL form opens."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
+
+from guard import InvalidParameterError
+from guard.connect import connect, connect_async, is_cluster_url, split_cluster_url
+from tests.cluster.server import LocalCluster
+
+
+class TestParsing:
+    @pytest.mark.parametrize(
+        ("url", "seed", "others"),
+        [
+            ("redis-cluster://h1:7000", "redis://h1:7000", []),
+            ("redis-cluster://h1", "redis://h1:6379", []),
+            (
+                "redis-cluster://u:p%40w@h1:1,h2:2,[::1]:3/?socket_timeout=1",
+                "redis://u:p%40w@h1:1/?socket_timeout=1",
+                [("h2", 2), ("::1", 3)],
+            ),
+            ("rediss-cluster://h1:1,h2:2", "rediss://h1:1", [("h2", 2)]),
+            ("REDIS-CLUSTER://[::1]:5", "redis://[::1]:5", []),
+        ],
+    )
+    def test_split(self, url: str, seed: str, others: list) -> None:
+        assert split_cluster_url(url) == (seed, others)
+        assert is_cluster_url(url)
+
+    @pytest.mark.parametrize("url", ["redis://h:1", "redis-cluster://", "memory://"])
+    def test_not_a_cluster_url(self, url: str) -> None:
+        with pytest.raises(InvalidParameterError):
+            split_cluster_url(url)
+
+    def test_cluster_false_contradicts_a_cluster_url(self) -> None:
+        with pytest.raises(InvalidParameterError, match="contradicts"):
+            connect("redis-cluster://h1:1", cluster=False)
+
+    def test_plain_url_opens_redis(self) -> None:
+        client = connect("redis://127.0.0.1:1/3", socket_timeout=1)
+        assert type(client) is redis.Redis
+        assert client.connection_pool.connection_kwargs["db"] == 3
+        client.close()
+
+
+class TestClients:
+    def test_a_dead_seed_is_skipped(self, cluster: LocalCluster) -> None:
+        url = "redis-cluster://127.0.0.1:1," + cluster.url.split("://", 1)[1]
+        client = connect(url, socket_timeout=2)
+        assert isinstance(client, RedisCluster)
+        assert len(client.get_primaries()) == 3
+        client.close()
+
+    def test_switch_opens_a_cluster_from_one_node(self, cluster: LocalCluster) -> None:
+        client = connect(f"redis://127.0.0.1:{cluster.ports[2]}", cluster=True)
+        assert isinstance(client, RedisCluster) and len(client.get_primaries()) == 3
+        client.close()
+
+    async def test_async(self, cluster: LocalCluster) -> None:
+        client = connect_async(cluster.url)
+        assert isinstance(client, AsyncRedisCluster)
+        assert await client.ping()
+        await client.aclose()
