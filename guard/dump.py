@@ -119,15 +119,12 @@ def _parse_header(data: bytes) -> tuple[Layout, int, int]:
     """(layout, capacity, items) from sub-filter 0's 64-byte header."""
     if len(data) < fmt.HEADER_BYTES:
         raise DumpError("sub-filter 0 is shorter than a header")
-    # layout._HEADER is the one definition of the header's bytes.
-    f = fmt._HEADER.unpack_from(data)
-    magic, version, b, f0, step, exp, nsub, _idx, _flags, m0, kicks, _pad, seed, capacity = f[:14]
-    items = f[14]
-    if magic != fmt.MAGIC:
+    header = fmt.unpack_header(data)
+    if header.magic != fmt.MAGIC:
         raise FilterNotFoundError("not a cuckoo-guard filter (bad magic)")
-    if version != fmt.VERSION:
-        raise DumpError(f"filter format version {version} is not supported")
-    return Layout(b, f0, step, exp, nsub, kicks, m0, seed), capacity, items
+    if header.version != fmt.VERSION:
+        raise DumpError(f"filter format version {header.version} is not supported")
+    return header.layout, header.capacity, header.items
 
 
 # -- export ---------------------------------------------------------------------------------

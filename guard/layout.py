@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MAGIC = 0x434B4744  # "CKGD"
 VERSION = 1
@@ -149,11 +150,34 @@ def pack_header(layout: Layout, capacity: int, error_rate: float | None, shards:
     )
 
 
+class Header(NamedTuple):
+    """A sub-filter's 64-byte header, decoded (docs/format.md has the byte offsets)."""
+
+    magic: int
+    version: int
+    layout: Layout  # as sub-filter 0 stores it; `subfilters` counts only there
+    subfilter: int  # which sub-filter this string is
+    shards: int
+    capacity: int
+    items: int
+    deletes: int
+    missed_deletes: int
+    error_rate: float | None
+
+
+def unpack_header(data: bytes) -> Header:
+    """Decode the first 64 bytes of a sub-filter string (no validation: compare magic yourself)."""
+    (magic, version, b, f0, step, exp, nsub, index, _flags, m0, kicks, shards, seed,
+     capacity, items, deletes, missed, eps_ppt) = _HEADER.unpack_from(data)  # fmt: skip
+    layout = Layout(b, f0, step, exp, nsub, kicks, m0, seed)
+    rate = eps_ppt / 1e12 if eps_ppt else None
+    return Header(magic, version, layout, index, shards, capacity, items, deletes, missed, rate)
+
+
 def unpack_table(data: bytes, buckets: int, bucket_size: int, fp_bits: int) -> list[int]:
     """Decode a sub-filter string's slots (for tests, export and other clients)."""
-    table = data[HEADER_BYTES:-1]
-    value = int.from_bytes(table, "big")
-    total_bits = len(table) * 8
-    mask = (1 << fp_bits) - 1
-    slots = buckets * bucket_size
-    return [(value >> (total_bits - (k + 1) * fp_bits)) & mask for k in range(slots)]
+    # One pass over a bit string: shifting one big integer per slot would be quadratic.
+    bits = "".join(f"{byte:08b}" for byte in data[HEADER_BYTES:-1])
+    return [
+        int(bits[k : k + fp_bits], 2) for k in range(0, buckets * bucket_size * fp_bits, fp_bits)
+    ]
