@@ -17,7 +17,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from tests.redis_server import RedisProcess, default_url, reachable
+from tests.redis_server import real_redis as real_redis_server
 
 BACKENDS = ["redis", "fakeredis"]
 _real_redis_tests = {"count": 0}
@@ -25,15 +25,8 @@ _real_redis_tests = {"count": 0}
 
 @pytest.fixture(scope="session")
 def real_redis_url() -> Iterator[str]:
-    url = default_url()
-    if reachable(url):
+    with real_redis_server("GUARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/12") as url:
         yield url
-        return
-    server = RedisProcess.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.fixture

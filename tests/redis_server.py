@@ -8,6 +8,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
@@ -107,6 +109,17 @@ def reachable(url: str) -> bool:
         client.close()
 
 
-def default_url() -> str:
-    # A dedicated DB index on the shared server; every test also uses its own key prefix.
-    return os.environ.get("GUARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
+@contextmanager
+def real_redis(env_var: str, default: str) -> Iterator[str]:
+    """The URL in ``env_var`` (else ``default``) when a server answers there; else a
+    redis-server started for the duration, on a free port. Never a fake."""
+    url = os.environ.get(env_var, default)
+    if reachable(url):
+        yield url
+        return
+    server = RedisProcess.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+

@@ -7,7 +7,6 @@ starts its own redis-server. Never skipped.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
@@ -25,7 +24,7 @@ from app.db import SQLiteDatabase
 from app.main import create_app
 from app.records import RecordStore
 from app.settings import Settings
-from tests.redis_server import RedisProcess, reachable
+from tests.redis_server import real_redis
 
 BACKENDS = ["redis", "fakeredis"]
 API_KEY = "test-key"
@@ -34,15 +33,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="session")
 def app_redis_url() -> Iterator[str]:
-    url = os.environ.get("GUARD_TEST_APP_REDIS_URL", "redis://127.0.0.1:6379/14")
-    if reachable(url):
+    with real_redis("GUARD_TEST_APP_REDIS_URL", "redis://127.0.0.1:6379/14") as url:
         yield url
-        return
-    server = RedisProcess.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 @dataclass

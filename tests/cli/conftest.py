@@ -3,27 +3,19 @@ prefix of the test's own, deleted afterwards."""
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
 
-from tests.redis_server import RedisProcess, reachable
+from tests.redis_server import real_redis
 
 
 @pytest.fixture(scope="session")
 def cli_redis_url() -> Iterator[str]:
-    url = os.environ.get("GUARD_TEST_CLI_REDIS_URL", "redis://127.0.0.1:6379/11")
-    if reachable(url):
+    with real_redis("GUARD_TEST_CLI_REDIS_URL", "redis://127.0.0.1:6379/11") as url:
         yield url
-        return
-    server = RedisProcess.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.fixture
