@@ -78,6 +78,12 @@ class Metrics:
             ["filter"],
             registry=r,
         )
+        self.filter_damaged = Gauge(
+            "guard_filter_damaged",
+            "1 for a filter whose data in Redis failed the header check (drop or rebuild it)",
+            ["filter"],
+            registry=r,
+        )
         self._queries = _QueryCollector()
         r.register(self._queries)
         self.stats = Stats()
@@ -103,7 +109,7 @@ class Metrics:
     def redis_error(self, where: str) -> None:
         self.redis_errors.labels(where).inc()
 
-    def set_filters(self, infos: Sequence[Any]) -> None:
+    def set_filters(self, infos: Sequence[Any], damaged: Sequence[str] = ()) -> None:
         # clear() first so a dropped filter stops being reported.
         self.filter_load.clear()
         self.filter_items.clear()
@@ -112,6 +118,9 @@ class Metrics:
             self.filter_load.labels(info.name).set(info.load_factor)
             self.filter_items.labels(info.name).set(info.items)
             self.filter_missed_deletes.labels(info.name).set(info.missed_deletes)
+        self.filter_damaged.clear()
+        for name in damaged:
+            self.filter_damaged.labels(name).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -99,11 +99,15 @@ class RecordStore:
         base = f"{self._cache_prefix}{{{key}}}"
         return base + ":v", base
 
-    async def get(self, key: str, *, suspect: bool = False) -> tuple[bool, Any]:
-        """(found, value). `suspect`: the filter said "maybe", so a miss is a false positive."""
+    async def get(
+        self, key: str, *, suspect: bool = False, redis_failed: bool = False
+    ) -> tuple[bool, Any]:
+        """(found, value). `suspect`: the filter said "maybe", so a miss is a false positive.
+        `redis_failed`: Redis just failed this request (the guard's lookup): skip the cache."""
         _, cache_key = self._keys(key)
         cached = None
-        if self._cache_usable():
+        use_cache = self._cache_usable() and not redis_failed
+        if use_cache:
             try:
                 cached = await self.redis.get(cache_key)
             except RedisDown:
@@ -112,12 +116,12 @@ class RecordStore:
             negative = cached == _NEGATIVE
             self.metrics.cache_hit(negative)
             return (False, None) if negative else (True, json.loads(cached[1:]))
-        raw = await self._flight.do(key, lambda: self._load(key, suspect))
+        raw = await self._flight.do(key, lambda: self._load(key, suspect, use_cache))
         return (False, None) if raw is None else (True, json.loads(raw))
 
-    async def _load(self, key: str, suspect: bool) -> str | None:
+    async def _load(self, key: str, suspect: bool, use_cache: bool = True) -> str | None:
         version_key, cache_key = self._keys(key)
-        if not self._cache_usable():
+        if not (use_cache and self._cache_usable()):
             return await self.db.get(key)  # Redis gone: nothing to cache into either
         try:
             version = await self.redis.get(version_key)

@@ -10,7 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 Lookup = Callable[[list[bytes]], Awaitable[list[bool]]]
+RedisUnreachable = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class LookupCoalescer:
@@ -38,6 +42,11 @@ class LookupCoalescer:
                 try:
                     results = await self._lookup(items)
                 except BaseException as exc:  # every waiter gets the failure, none hangs
+                    if isinstance(exc, RedisUnreachable):
+                        # Calls that queued behind a trip Redis never answered fail with it:
+                        # sending them next would only wait out another full timeout.
+                        batch += self._waiting
+                        self._waiting = []
                     for _, future in batch:
                         if not future.done():
                             future.set_exception(exc)

@@ -118,6 +118,7 @@ class GuardMiddleware:
         if cf is None:
             return BYPASSED
         if time.monotonic() < self._skip_until:
+            scope["guard.redis_failed"] = True
             return BYPASSED if self.fail_open else REJECTED
         try:
             present = await cf.lookup(key)
@@ -126,6 +127,9 @@ class GuardMiddleware:
             return BYPASSED
         except Exception as exc:  # any failure: the guard must never turn a read into a 500
             self._failed(exc)
+            # Tells the app Redis just failed, so it can skip its own Redis calls (a cache)
+            # for this request instead of waiting out a second timeout.
+            scope["guard.redis_failed"] = True
             return BYPASSED if self.fail_open else REJECTED
         self._recovered()
         return PASSED if present else BLOCKED

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
 
 from guard import CuckooFilter
@@ -66,6 +67,23 @@ class TestLookupCoalescer:
         assert await first == [True]
         assert all(isinstance(o, ConnectionError) for o in outcome)
         assert await co.lookup_many([b"p2"]) == [True]
+
+    async def test_waiters_fail_at_once_when_redis_is_unreachable(self) -> None:
+        async def unreachable(items: list[bytes]) -> list[bool]:
+            await asyncio.sleep(0.01)
+            raise ConnectionError("connection refused")
+
+        co = LookupCoalescer(unreachable)
+        first = asyncio.ensure_future(co.lookup_many([b"p0"]))
+        await asyncio.sleep(0)  # the first trip is in flight
+        queued = asyncio.ensure_future(co.lookup_many([b"p1"]))
+        with pytest.raises(ConnectionError):
+            await first
+        await asyncio.sleep(0)
+        # Failed together with the trip, not sent again into a dead connection.
+        assert queued.done()
+        with pytest.raises(ConnectionError):
+            await queued
 
     async def test_a_cancelled_caller_does_not_disturb_the_others(self) -> None:
         rec = Recorder()

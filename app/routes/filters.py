@@ -108,9 +108,7 @@ def _info(info: Any) -> dict[str, Any]:
     return data
 
 
-@router.get(
-    "", response_model=FilterList, responses={**errors.UNAVAILABLE, **errors.DAMAGED}
-)
+@router.get("", response_model=FilterList, responses={**errors.UNAVAILABLE, **errors.DAMAGED})
 async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
     """Every filter with its info."""
     infos = []

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from app.deps import DbDep, FiltersDep, MetricsDep, RedisDep, SettingsDep
 from app.records import RedisDown
-from guard import FilterNotFoundError, GuardError, list_filters
+from guard import FilterCorruptError, FilterNotFoundError, GuardError, list_filters
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["operations"])
@@ -64,13 +64,16 @@ async def metrics_route(
     """Prometheus text format. Per-filter gauges are read at scrape time (skipped if Redis
     is down: a scrape never fails because of Redis)."""
     try:
-        infos = []
+        infos, damaged = [], []
         for name in (await list_filters(redis, prefix=settings.key_prefix))[:MAX_FILTER_GAUGES]:
             try:
                 infos.append(await filters.get(name).info())
             except FilterNotFoundError:
                 continue
-        metrics.set_filters(infos)
+            except FilterCorruptError:
+                # One damaged filter must not blank every other filter's gauges.
+                damaged.append(name)
+        metrics.set_filters(infos, damaged)
     except (*RedisDown, GuardError) as exc:
         metrics.redis_error("metrics")
         log.debug("metrics: filter gauges skipped: %r", exc)

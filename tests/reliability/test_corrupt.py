@@ -1,0 +1,127 @@
+"""A filter damaged in Redis (truncated, header overwritten, a key of another type) is an error
+over HTTP, never "absent": a documented 500 with a clear message and no Redis internals, and
+the guard treats a damaged records filter like Redis being down."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from tests.reliability.conftest import InProcess, StartApp
+from tests.reliability.service import AUTH
+
+pytestmark = pytest.mark.realredis
+
+
+def _truncate(r: redis.Redis, key: str) -> None:
+    value = r.get(key)
+    assert value is not None
+    r.set(key, value[:-3])  # loses the trailer byte (docs/format.md)
+
+
+def _overwrite_header(r: redis.Redis, key: str) -> None:
+    r.setrange(key, 0, b"XXXX")  # the magic
+
+
+def _wrong_type(r: redis.Redis, key: str) -> None:
+    r.delete(key)
+    r.hset(key, "field", "value")
+
+
+DAMAGE: dict[str, Callable[[redis.Redis, str], None]] = {
+    "truncated": _truncate,
+    "header": _overwrite_header,
+    "wrong_type": _wrong_type,
+}
+
+ROUTES = [
+    ("GET", "/filters/f", None),
+    ("GET", "/filters", None),
+    ("POST", "/filters/f/check", {"items": ["a"]}),
+    ("POST", "/filters/f/add", {"items": ["b"]}),
+    ("POST", "/filters/f/delete", {"items": ["a"]}),
+    ("GET", "/filters/f/items/a", None),
+    ("PUT", "/filters/f/items/z", None),
+    ("DELETE", "/filters/f/items/a", None),
+]
+
+
+def assert_damaged(svc: InProcess, status: int, body: str, name: str) -> None:
+    assert status == 500, body
+    assert body == f'{{"detail":"filter \'{name}\' is damaged in Redis; drop it or rebuild it"}}'
+    assert svc.settings.key_prefix not in body  # no key names, no Redis wording
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+class TestDamagedFilter:
+    """Every filter route on a damaged filter: the documented 500, logged once."""
+
+    async def test_every_route_reports_damage(
+        self, start_app: StartApp, damage: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        svc = await start_app()
+        c = svc.client
+        assert (await c.put("/filters/f", json={"capacity": 100}, headers=AUTH)).status_code == 201
+        assert (await c.post("/filters/f/add", json={"items": ["a"]}, headers=AUTH)).json() == {
+            "results": [True]
+        }
+        DAMAGE[damage](svc.redis, svc.key("f"))
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="app.errors"):
+            for _ in range(2):
+                for method, path, body in ROUTES:
+                    r = await c.request(method, path, json=body, headers=AUTH)
+                    assert_damaged(svc, r.status_code, r.text, "f")
+        # The details (key name, reason) go to the server log, once, not once per request.
+        logged = [rec.getMessage() for rec in caplog.records]
+        assert len(logged) == 1, logged
+        assert "damaged" in logged[0] and "f: " in logged[0]  # name and the library's reason
+        # /metrics keeps answering: the damaged filter is flagged, the others keep their gauges.
+        metrics = await c.get("/metrics")
+        assert metrics.status_code == 200
+        assert 'guard_filter_damaged{filter="f"} 1.0' in metrics.text
+        assert 'guard_filter_items{filter="records"} 50.0' in metrics.text
+        assert 'guard_filter_items{filter="f"}' not in metrics.text
+        # The remedy the message names works: drop it, create it again.
+        assert (await c.delete("/filters/f", headers=AUTH)).status_code == 204
+        assert (await c.put("/filters/f", json={"capacity": 10}, headers=AUTH)).status_code == 201
+        assert "guard_filter_damaged{" not in (await c.get("/metrics")).text
+
+    @pytest.mark.parametrize("fail_open", [True, False], ids=["open", "closed"])
+    async def test_guard_treats_damaged_records_filter_as_unavailable(
+        self, start_app: StartApp, damage: str, fail_open: bool, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Reads fail open (right answers from the database) or closed (503), never blocked."""
+        svc = await start_app(fail_open=fail_open, redis_cooldown=0)
+        c = svc.client
+        assert (await c.get("/records/nobody")).headers["x-guard"] == "blocked"
+        DAMAGE[damage](svc.redis, svc.key("records"))
+        with caplog.at_level(logging.WARNING, logger="guard.middleware"):
+            for _ in range(3):
+                present, absent = await c.get("/records/user-1"), await c.get("/records/nobody")
+                if fail_open:
+                    assert (present.status_code, present.headers["x-guard"]) == (200, "bypassed")
+                    assert (absent.status_code, absent.headers["x-guard"]) == (404, "bypassed")
+                else:
+                    for r in (present, absent):
+                        assert (r.status_code, r.headers["x-guard"]) == (503, "rejected")
+                        assert "retry-after" in r.headers
+        # One incident, logged once; counted as bypassed / rejected decisions.
+        assert sum("unavailable" in rec.getMessage() for rec in caplog.records) == 1
+        decision = "bypassed" if fail_open else "rejected"
+        assert (await c.get("/stats")).json()[decision] == 6
+        # Record writes need the filter: refused before the database changes.
+        put = await c.put("/records/new-1", json={"value": 1}, headers=AUTH)
+        assert_damaged(svc, put.status_code, put.text, "records")
+        delete = await c.delete("/records/user-2", headers=AUTH)
+        assert_damaged(svc, delete.status_code, delete.text, "records")
+        assert (await c.get("/filters/records")).status_code == 500
+        # A rebuild repairs it, and the guard is back by itself.
+        rebuilt = await c.post("/filters/records/rebuild", headers=AUTH)
+        assert rebuilt.status_code == 200 and rebuilt.json()["items"] == 50
+        assert (await c.get("/records/user-2")).status_code == 200  # the delete never ran
+        assert (await c.get("/records/new-1")).headers["x-guard"] == "blocked"  # nor the put
+        assert (await c.get("/records/user-1")).headers["x-guard"] == "passed"
