@@ -1,8 +1,9 @@
 """Auto-batching of lookups: concurrent calls on one async handle share one Redis round trip.
 
-The first lookup goes out at once (an idle guard adds no latency); lookups that arrive while
-it is in flight wait for it to return and then go together, up to ``max_items`` per trip. Under
-a flood that turns many small reads into few large ones, which is what Redis does fastest.
+The first lookup goes out at once, made by its caller (an idle guard adds no latency and no
+task); lookups that arrive while it is in flight wait for it to return and then go together,
+up to ``max_items`` per trip. Under a flood that turns many small reads into few large ones,
+which is what Redis does fastest.
 """
 
 from __future__ import annotations
@@ -27,12 +28,32 @@ class LookupCoalescer:
     async def lookup_many(self, items: list[bytes]) -> list[bool]:
         if not items:
             return []
+        if not self._flushing:
+            # Idle: this call makes the trip itself, with no task or future to pay for;
+            # calls arriving meanwhile queue up and go together when it returns.
+            self._flushing = True
+            try:
+                return await self._lookup(items)
+            except BaseException as exc:
+                if isinstance(exc, RedisUnreachable):
+                    self._fail_waiting(exc)
+                raise
+            finally:
+                if self._waiting:
+                    asyncio.get_running_loop().create_task(self._flush())
+                else:
+                    self._flushing = False
         future: asyncio.Future[list[bool]] = asyncio.get_running_loop().create_future()
         self._waiting.append((items, future))
-        if not self._flushing:
-            self._flushing = True
-            asyncio.get_running_loop().create_task(self._flush())
         return await future
+
+    def _fail_waiting(self, exc: BaseException) -> None:
+        """Calls queued behind a trip Redis never answered fail with it: sending them next
+        would only wait out another full timeout."""
+        waiting, self._waiting = self._waiting, []
+        for _, future in waiting:
+            if not future.done():
+                future.set_exception(exc)
 
     async def _flush(self) -> None:
         try:
@@ -42,14 +63,11 @@ class LookupCoalescer:
                 try:
                     results = await self._lookup(items)
                 except BaseException as exc:  # every waiter gets the failure, none hangs
-                    if isinstance(exc, RedisUnreachable):
-                        # Calls that queued behind a trip Redis never answered fail with it:
-                        # sending them next would only wait out another full timeout.
-                        batch += self._waiting
-                        self._waiting = []
                     for _, future in batch:
                         if not future.done():
                             future.set_exception(exc)
+                    if isinstance(exc, RedisUnreachable):
+                        self._fail_waiting(exc)
                     if not isinstance(exc, Exception):
                         raise
                     continue
