@@ -40,7 +40,7 @@ def weak_api_key(key: str) -> str | None:
     if not key:
         return "it is empty"
     folded = "".join(ch for ch in key.lower() if ch.isalnum())
-    if folded in PLACEHOLDER_KEYS:
+    if folded in PLACEHOLDER_KEYS or "changeme" in folded:
         return "it is a placeholder"
     if len(set(key)) < 4:
         return "it repeats too few characters"

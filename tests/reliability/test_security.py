@@ -117,8 +117,8 @@ class TestProductionKeys:
 
     @pytest.mark.parametrize(
         "key",
-        ["", "changeme", "CHANGE-ME", "secret", "default", "test", "password", "api-key",
-         "short-key-123", "a" * 40, "abababababababababab"],
+        ["", "changeme", "CHANGE-ME", "change-me-demo-key", "secret", "default", "test",
+         "password", "api-key", "short-key-123", "a" * 40, "abababababababababab"],
     )  # fmt: skip
     async def test_refused(self, key: str, tmp_path: Path) -> None:
         assert weak_api_key(key) is not None
