@@ -24,7 +24,7 @@ from app.deps import (
 from app.errors import BadInput, Conflict
 from app.idempotency import HEADER, fingerprint
 from app.records import RebuildInProgress
-from guard import FilterNotFoundError, list_filters
+from guard import FilterInfo, FilterNotFoundError, list_filters
 
 router = APIRouter(prefix="/filters", tags=["filters"])
 
@@ -34,26 +34,8 @@ IdemKey = Annotated[
 ]
 
 
-class FilterInfoOut(BaseModel):
-    name: str
-    capacity: int
-    items: int
-    buckets: int
-    bucket_size: int
-    fingerprint_bits: int
-    max_kicks: int
-    expansion: int
-    subfilters: int
-    load_factor: float
-    memory_bytes: int
-    error_rate: float = Field(description="Estimated from the current load")
-    target_error_rate: float | None = None
-    deletes: int
-    missed_deletes: int
-
-
 class FilterList(BaseModel):
-    filters: list[FilterInfoOut]
+    filters: list[FilterInfo]
 
 
 class ReserveIn(BaseModel):
@@ -123,7 +105,7 @@ async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
 @router.put(
     "/{name}",
     status_code=201,
-    response_model=FilterInfoOut,
+    response_model=FilterInfo,
     dependencies=[Auth],
     responses={**errors.UNAUTHORIZED, **errors.CONFLICT, **errors.TOO_LARGE, **errors.COMMON},
 )
@@ -143,7 +125,7 @@ async def create(body: ReserveIn, cf: WritableFilterDep, settings: SettingsDep) 
 
 
 @router.get(
-    "/{name}", response_model=FilterInfoOut, responses={**errors.NOT_FOUND, **errors.COMMON}
+    "/{name}", response_model=FilterInfo, responses={**errors.NOT_FOUND, **errors.COMMON}
 )
 async def get(cf: FilterDep) -> Any:
     """A filter's info."""
@@ -238,7 +220,7 @@ async def delete_items(
 
 @router.post(
     "/{name}/rebuild",
-    response_model=FilterInfoOut,
+    response_model=FilterInfo,
     dependencies=[Auth],
     responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.CONFLICT, **errors.COMMON},
 )
