@@ -35,6 +35,8 @@ class FilterMachine(RuleBasedStateMachine):
 
     client: redis.Redis
     counter = 0
+    # Under the test's own prefix, which its fixture deletes whatever happens to a run.
+    base_prefix = "test:model:"
 
     @initialize(
         capacity=st.integers(4, 60),
@@ -47,7 +49,7 @@ class FilterMachine(RuleBasedStateMachine):
     )
     def create(self, capacity, bucket_size, bits, expansion, kicks, by_error_rate, seed) -> None:
         FilterMachine.counter += 1
-        self.prefix = f"test:model{FilterMachine.counter}:"
+        self.prefix = f"{self.base_prefix}{FilterMachine.counter}:"
         self.cf = SyncCuckooFilter(self.client, "m", prefix=self.prefix)
         self.cf.drop()
         sizing = {"error_rate": 0.5**bits} if by_error_rate else {"fingerprint_bits": bits}
@@ -147,8 +149,9 @@ def _real_client(real_redis: redis.Redis) -> redis.Redis:
     return real_redis
 
 
-def test_model_on_real_redis(_real_client: redis.Redis) -> None:
+def test_model_on_real_redis(_real_client: redis.Redis, prefix: str) -> None:
     RealRedisMachine.client = _real_client
+    RealRedisMachine.base_prefix = f"{prefix}model:"
     RealRedisMachine.TestCase.settings = MODEL_SETTINGS
     RealRedisMachine.TestCase().runTest()
 
