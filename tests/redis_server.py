@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import redis
 
+from tests.processes import stop_process
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -89,13 +91,7 @@ class RedisProcess:
                 client.close()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.workdir.cleanup()
 
 
@@ -122,4 +118,3 @@ def real_redis(env_var: str, default: str) -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
-

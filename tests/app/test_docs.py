@@ -6,15 +6,14 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 
+from tests.processes import stop_process, wait_healthy
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,27 +47,13 @@ def server(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> Iter
          "--port", str(port), "--log-level", "warning"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"uvicorn did not start: {err}")
-            time.sleep(0.05)
+        wait_healthy(
+            proc, f"http://127.0.0.1:{port}", 20, lambda: proc.stderr.read().decode()
+        )  # fmt: skip
         yield f"127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         if backend == "redis":
             client = redis.Redis.from_url(redis_url)
             keys = list(client.scan_iter(match=f"{prefix}*", count=1000))

@@ -21,6 +21,7 @@ from asgi_lifespan import LifespanManager
 
 from app.main import create_app
 from app.settings import Settings
+from tests.processes import stop_process, wait_healthy
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,19 +65,10 @@ def served(tmp_path: Path) -> Iterator[str]:
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "service did not start"
-            time.sleep(0.1)
+        wait_healthy(proc, url, 30)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+        stop_process(proc, grace=20)
 
 
 def chrome() -> object:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.processes import stop_process, wait_healthy
 from tests.redis_server import free_port
 
 API_KEY = "reliability-test-key-0123456789"
@@ -50,26 +51,15 @@ class Uvicorn:
                 stdout=out, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
         server = cls(proc, port, log)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError(f"uvicorn did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.1)
+        try:
+            wait_healthy(proc, server.url, 20, lambda: log.read_text()[-2000:])
+        except RuntimeError:
+            server.stop()
+            raise
+        return server
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 @dataclass
