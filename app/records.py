@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import LockError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from app.db import Database
+from app.db import Database, Hook
 from app.metrics import Metrics
 from app.settings import Settings
 from guard import CuckooFilter, FilterInfo, FilterNotFoundError
@@ -174,41 +174,33 @@ class RecordStore:
     async def put(self, key: str, value: Any) -> bool:
         """Insert or replace; True if the row is new. Redis down → raises before any write."""
         raw = json.dumps(value, separators=(",", ":"))
-        await self._invalidate(key)
-        tracked = False
-
-        async def track() -> None:
-            nonlocal tracked
-            await self._filters_apply(key, add=True)
-            tracked = True
-
-        try:
-            created = await self.db.put(key, raw, on_create=track)
-        except BaseException:
-            if tracked:
-                await self._undo(key, add=True)
-            raise
-        await self._invalidate_after_write(key)
-        return created
+        return await self._write(key, add=True, write=lambda hook: self.db.put(key, raw, hook))
 
     async def delete(self, key: str) -> bool:
         """Delete; True if a row was deleted. Redis down → raises before any write."""
-        await self._invalidate(key)
-        untracked = False
+        return await self._write(key, add=False, write=lambda hook: self.db.delete(key, hook))
 
-        async def untrack() -> None:
-            nonlocal untracked
-            await self._filters_apply(key, add=False)
-            untracked = True
+    async def _write(
+        self, key: str, *, add: bool, write: Callable[[Hook], Awaitable[bool]]
+    ) -> bool:
+        """Run a database write whose hook changes the filter inside its transaction (see
+        above); if the transaction then fails, the filter change is undone."""
+        await self._invalidate(key)
+        applied = False
+
+        async def apply() -> None:
+            nonlocal applied
+            await self._filters_apply(key, add=add)
+            applied = True
 
         try:
-            deleted = await self.db.delete(key, on_delete=untrack)
+            changed = await write(apply)
         except BaseException:
-            if untracked:
-                await self._undo(key, add=False)
+            if applied:
+                await self._undo(key, add=add)
             raise
         await self._invalidate_after_write(key)
-        return deleted
+        return changed
 
     async def _filters_apply(self, key: str, *, add: bool) -> None:
         """Apply one row change to the live filter, and to a rebuild's staging copy once the
