@@ -21,6 +21,7 @@ from app.records import RebuildInProgress, RecordStore, RedisDown
 from app.redis_conn import open_redis
 from app.routes import dashboard, filters, health, records
 from app.settings import Settings
+from guard.breaker import RedisBreaker
 from guard.middleware import GuardMiddleware
 
 log = logging.getLogger("app")
@@ -95,6 +96,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings = Settings.model_construct()
     cfg = settings
     metrics = Metrics()
+    # One window for the one Redis: a failed guard lookup spares the cache read after it.
+    breaker = RedisBreaker(cfg.redis_cooldown)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -114,7 +117,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if seeded:
                 log.info("seeded %d demo records", seeded)
             metrics.bind_queries(lambda: db.queries)
-            store = RecordStore(redis, db, cfg, metrics)
+            store = RecordStore(redis, db, cfg, metrics, breaker)
             if cfg.rebuild_on_startup and not await _rebuild_once(store):
                 task = asyncio.create_task(_rebuild_until_done(store))
                 stack.push_async_callback(_cancel, task)
@@ -150,7 +153,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         filter=_records_filter,
         paths=[r"/records/(?P<key>[^/]+)"],
         fail_open=cfg.fail_open,
-        cooldown=cfg.redis_cooldown,
+        breaker=breaker,
         retry_after=cfg.retry_after,
         on_decision=metrics.decision,
     )

@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import random
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
@@ -22,6 +21,7 @@ from app.db import Database, Hook
 from app.metrics import Metrics
 from app.settings import Settings
 from guard import CuckooFilter, FilterInfo, FilterNotFoundError
+from guard.breaker import RedisBreaker
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,14 @@ class SingleFlight:
 class RecordStore:
     """Reads and writes of the records table, keeping cache and filter in step with it."""
 
-    def __init__(self, redis: aioredis.Redis, db: Database, settings: Settings, metrics: Metrics):
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        db: Database,
+        settings: Settings,
+        metrics: Metrics,
+        breaker: RedisBreaker | None = None,
+    ):
         self.redis = redis
         self.db = db
         self.settings = settings
@@ -90,7 +97,8 @@ class RecordStore:
         self._cache_prefix = f"{prefix}app:cache:"
         self._set_if_unchanged = redis.register_script(_SET_IF_UNCHANGED)
         self._flight = SingleFlight()
-        self._cache_down_until = 0.0
+        # Shared with the guard middleware: a failed guard lookup spares the cache read.
+        self.breaker = breaker if breaker is not None else RedisBreaker(settings.redis_cooldown)
 
     # ---- reads -------------------------------------------------------------------------
 
@@ -99,15 +107,11 @@ class RecordStore:
         base = f"{self._cache_prefix}{{{key}}}"
         return base + ":v", base
 
-    async def get(
-        self, key: str, *, suspect: bool = False, redis_failed: bool = False
-    ) -> tuple[bool, Any]:
-        """(found, value). `suspect`: the filter said "maybe", so a miss is a false positive.
-        `redis_failed`: Redis just failed this request (the guard's lookup): skip the cache."""
+    async def get(self, key: str, *, suspect: bool = False) -> tuple[bool, Any]:
+        """(found, value). `suspect`: the filter said "maybe", so a miss is a false positive."""
         _, cache_key = self._keys(key)
         cached = None
-        use_cache = self._cache_usable() and not redis_failed
-        if use_cache:
+        if self._cache_usable():
             try:
                 cached = await self.redis.get(cache_key)
             except RedisDown:
@@ -116,12 +120,12 @@ class RecordStore:
             negative = cached == _NEGATIVE
             self.metrics.cache_hit(negative)
             return (False, None) if negative else (True, json.loads(cached[1:]))
-        raw = await self._flight.do(key, lambda: self._load(key, suspect, use_cache))
+        raw = await self._flight.do(key, lambda: self._load(key, suspect))
         return (False, None) if raw is None else (True, json.loads(raw))
 
-    async def _load(self, key: str, suspect: bool, use_cache: bool = True) -> str | None:
+    async def _load(self, key: str, suspect: bool) -> str | None:
         version_key, cache_key = self._keys(key)
-        if not (use_cache and self._cache_usable()):
+        if not self._cache_usable():
             return await self.db.get(key)  # Redis gone: nothing to cache into either
         try:
             version = await self.redis.get(version_key)
@@ -147,13 +151,13 @@ class RecordStore:
         return raw
 
     def _cache_usable(self) -> bool:
-        return time.monotonic() >= self._cache_down_until
+        return not self.breaker.open
 
     def _cache_failed(self) -> None:
         # Reads skip the cache for a while: against a Redis that is black-holed rather than
         # refusing, every cache call would otherwise add a socket timeout to every read.
         self.metrics.redis_error("cache")
-        self._cache_down_until = time.monotonic() + self.settings.redis_cooldown
+        self.breaker.trip()
 
     async def _invalidate(self, key: str) -> None:
         """Drop the cached entry and bump the version so an in-flight load won't re-cache it."""

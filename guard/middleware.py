@@ -9,6 +9,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, Protocol
 
+from guard.breaker import RedisBreaker
+
 log = logging.getLogger("guard.middleware")
 
 Scope = MutableMapping[str, Any]
@@ -48,8 +50,9 @@ class GuardMiddleware:
     through (`X-Guard: bypassed`) because the filter only saves work and the database still
     answers correctly; `fail_open=False` answers 503 with Retry-After. A missing filter is
     always bypassed: with no filter there is nothing to say a key is absent. After a failure
-    the filter is left alone for `cooldown` seconds, and the failure is logged once per
-    incident, not once per request.
+    the filter is left alone for `cooldown` seconds (through `breaker`, which the app may
+    share with its own Redis calls), and the failure is logged once per incident, not once
+    per request.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class GuardMiddleware:
         methods: Iterable[str] = ("GET", "HEAD"),
         fail_open: bool = True,
         cooldown: float = 1.0,
+        breaker: RedisBreaker | None = None,
         retry_after: int = 1,
         on_decision: Callable[[str], None] | None = None,
         missing: tuple[type[BaseException], ...] | None = None,
@@ -72,7 +76,7 @@ class GuardMiddleware:
         self.key = key
         self.methods = frozenset(m.upper() for m in methods)
         self.fail_open = fail_open
-        self.cooldown = cooldown
+        self.breaker = breaker if breaker is not None else RedisBreaker(cooldown)
         self.retry_after = retry_after
         self.on_decision = on_decision
         if missing is None:
@@ -82,7 +86,6 @@ class GuardMiddleware:
             missing = (FilterNotFoundError,)
         self.missing = missing
         self._incident_since: float | None = None
-        self._skip_until = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self._guarded_key(scope)
@@ -117,8 +120,7 @@ class GuardMiddleware:
         cf = source if hasattr(source, "lookup") else source(scope)  # type: ignore[operator]
         if cf is None:
             return BYPASSED
-        if time.monotonic() < self._skip_until:
-            scope["guard.redis_failed"] = True
+        if self.breaker.open:
             return BYPASSED if self.fail_open else REJECTED
         try:
             present = await cf.lookup(key)
@@ -127,15 +129,12 @@ class GuardMiddleware:
             return BYPASSED
         except Exception as exc:  # any failure: the guard must never turn a read into a 500
             self._failed(exc)
-            # Tells the app Redis just failed, so it can skip its own Redis calls (a cache)
-            # for this request instead of waiting out a second timeout.
-            scope["guard.redis_failed"] = True
             return BYPASSED if self.fail_open else REJECTED
         self._recovered()
         return PASSED if present else BLOCKED
 
     def _failed(self, exc: Exception) -> None:
-        self._skip_until = time.monotonic() + self.cooldown
+        self.breaker.trip()
         if self._incident_since is None:
             self._incident_since = time.monotonic()
             policy = "failing open" if self.fail_open else "failing closed (503)"

@@ -42,8 +42,7 @@ async def get_record(key: str, request: Request, records: RecordsDep, settings: 
     never seen, before the database is asked."""
     check_item(key, settings, ("path", "key"))
     suspect = request.scope.get("guard.decision") == "passed"
-    redis_failed = bool(request.scope.get("guard.redis_failed"))
-    found, value = await records.get(key, suspect=suspect, redis_failed=redis_failed)
+    found, value = await records.get(key, suspect=suspect)
     if not found:
         return JSONResponse({"detail": "Not Found"}, status_code=404)
     return {"key": key, "value": value}
