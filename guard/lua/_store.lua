@@ -33,16 +33,6 @@ local function load(n, list)
   end
 end
 
--- Loads the buckets of many items at once, in calls of at most MAX_OPS reads.
-local function load_many(n, list)
-  local per_call = floor(MAX_OPS / L.b)
-  for start = 1, #list, per_call do
-    local part = {}
-    for k = start, math.min(#list, start + per_call - 1) do part[#part + 1] = list[k] end
-    load(n, part)
-  end
-end
-
 local function bucket(n, i)
   if not (cache[n] and cache[n][i]) then load(n, {i}) end
   return cache[n][i]
