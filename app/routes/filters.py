@@ -44,9 +44,7 @@ class ReserveIn(BaseModel):
     capacity: int = Field(ge=1, description="Items the filter must hold (limit GUARD_MAX_CAPACITY)")
     # ge=1e-12: far below what 32-bit fingerprints reach, and keeps the library's sizing
     # arithmetic finite (a denormal like 5e-324 made it overflow into a 500).
-    error_rate: float | None = Field(
-        None, ge=1e-12, lt=1, description="Target false-positive rate"
-    )
+    error_rate: float | None = Field(None, ge=1e-12, lt=1, description="Target false-positive rate")
     fingerprint_bits: int | None = Field(None, description="Instead of error_rate")
     bucket_size: int = 4
     max_kicks: int = 500
@@ -124,9 +122,7 @@ async def create(body: ReserveIn, cf: WritableFilterDep, settings: SettingsDep) 
     return _info(info)
 
 
-@router.get(
-    "/{name}", response_model=FilterInfo, responses={**errors.NOT_FOUND, **errors.COMMON}
-)
+@router.get("/{name}", response_model=FilterInfo, responses={**errors.NOT_FOUND, **errors.COMMON})
 async def get(cf: FilterDep) -> Any:
     """A filter's info."""
     return _info(await cf.info())
