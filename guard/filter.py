@@ -23,13 +23,12 @@ from guard.coalesce import LookupCoalescer
 from guard.errors import (
     FilterCorruptError,
     FilterFullError,
-    FilterNotFoundError,
     GuardError,
     InvalidParameterError,
 )
 from guard.hashing import item_hash, to_bytes
 from guard.layout import Layout
-from guard.reads import BadHeader, ReadPlan, Stale
+from guard.reads import ReadPlan, TagMismatch
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_PREFIX = "guard:"
@@ -202,7 +201,7 @@ class _FilterOps:
     ) -> Op:
         header = fmt.pack_header(layout, capacity, error_rate, shards)
         total = fmt.string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
-        yield Round([Call("reserve", [self.key(0)], [header, total])])
+        yield Round([Call("reserve", [self.key(0)], [header, total, layout.tag(0)])])
         self._layout = layout
         return (yield from self._info_op())
 
@@ -238,10 +237,12 @@ class _FilterOps:
             return []
         hashes: list[tuple[int, int]] = []
         seed = None
+        checked = None  # the layout the info script last vouched for
         for _ in range(MAX_RETRIES):
             layout = self._layout
             if not layout.buckets0:
                 yield from self._info_op()  # learns the layout, or raises not found
+                checked = self._layout
                 continue
             if seed != layout.seed:
                 hashes, seed = [item_hash(d, layout.seed) for d in data], layout.seed
@@ -258,13 +259,14 @@ class _FilterOps:
                 raise
             try:
                 return plan.evaluate(replies)
-            except Stale as stale:
-                self._layout = stale.layout
-            except BadHeader as bad:
-                (exists,) = yield Round([Command("EXISTS", [self.key(0)])])
-                if not exists:
-                    raise FilterNotFoundError(f"{self.name}: no such filter") from None
-                raise FilterCorruptError(f"{self.name}: {bad.reason}") from None
+            except TagMismatch as bad:
+                if checked == layout:
+                    # The headers hold this very layout, yet a tag disagrees: damaged.
+                    raise FilterCorruptError(f"{self.name}: bad tag in {bad.key}") from None
+            # Stale, gone or damaged: the info script checks every header and says which
+            # (adopting the stored layout, or raising not found / corrupt).
+            yield from self._info_op()
+            checked = self._layout
         raise GuardError(f"{self.name}: layout kept changing during lookup")
 
     def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op:

@@ -5,14 +5,20 @@ docs/format.md describes the same bytes for other clients; the Lua prelude reads
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 MAGIC = 0x434B4744  # "CKGD"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 64
+# Every sub-filter string ends in an 8-byte tag (docs/format.md): which sub-filter it is (and,
+# in sub-filter 0, how many there are), a digest of the geometry, and TRAILER, so that a
+# lookup proves the layout it reads with one 64-bit read instead of the whole header.
+TAG_BYTES = 8
 TRAILER = 0xA5  # last byte of every sub-filter string: a truncated string loses it
 MAX_SUBFILTERS = 32
 MAX_STRING_BYTES = 512 * 1024 * 1024  # Redis's proto-max-bulk-len default
@@ -33,6 +39,7 @@ SMALL_TABLE_LOAD = {1: 0.35, 2: 0.72, 4: 0.88, 8: 0.93}
 # struct layout of the header; byte offsets are documented in docs/format.md.
 _HEADER = struct.Struct(">IBBBBBBBBIHHIqqqqq")
 assert _HEADER.size == HEADER_BYTES
+_DIGEST_FIELDS = struct.Struct(">BBBBBHII")  # version, b, f0, step, expansion, kicks, m0, seed
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class Layout:
             self.max_kicks,
             self.buckets0,
             self.seed,
+            int.from_bytes(self.digest, "big"),  # lets the scripts check every tag
         ]
 
     def buckets(self, n: int) -> int:
@@ -68,6 +76,20 @@ class Layout:
 
     def string_bytes(self, n: int) -> int:
         return string_bytes(self.buckets(n), self.bucket_size, self.fp_bits_at(n))
+
+    @cached_property
+    def digest(self) -> bytes:
+        """6 bytes pinning every field but ``subfilters``: the tag's middle, fixed at creation."""
+        fields = (VERSION, self.bucket_size, self.fp_bits, self.fp_step, self.expansion,
+                  self.max_kicks, self.buckets0, self.seed)  # fmt: skip
+        return hashlib.blake2b(_DIGEST_FIELDS.pack(*fields), digest_size=6).digest()
+
+    def tag(self, n: int) -> bytes:
+        """The last 8 bytes of sub-filter n's string under this layout."""
+        # Sub-filter 0 counts the sub-filters (growth rewrites that byte); the others say which
+        # one they are, with the top bit set so the two kinds never match (32 fits in 7 bits).
+        first = self.subfilters if n == 0 else 0x80 | n
+        return bytes([first]) + self.digest + bytes([TRAILER])
 
     @classmethod
     def from_reply(cls, fields: list[int]) -> Layout:
@@ -80,7 +102,7 @@ UNKNOWN_LAYOUT = Layout(0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def string_bytes(buckets: int, bucket_size: int, fp_bits: int) -> int:
-    return HEADER_BYTES + (buckets * bucket_size * fp_bits + 7) // 8 + 1
+    return HEADER_BYTES + (buckets * bucket_size * fp_bits + 7) // 8 + TAG_BYTES
 
 
 def allocator_size(nbytes: int) -> int:
@@ -108,7 +130,7 @@ def buckets_for(capacity: int, bucket_size: int, fp_bits: int) -> int:
         need = max(1, math.ceil(capacity / (bucket_size * SMALL_TABLE_LOAD[bucket_size])))
     nbytes = string_bytes(need, bucket_size, fp_bits)
     room = allocator_size(nbytes + _sds_overhead(nbytes)) - _sds_overhead(nbytes)
-    table_bits = (room - HEADER_BYTES - 1) * 8
+    table_bits = (room - HEADER_BYTES - TAG_BYTES) * 8
     return max(need, table_bits // (bucket_size * fp_bits))
 
 
@@ -177,7 +199,7 @@ def unpack_header(data: bytes) -> Header:
 def unpack_table(data: bytes, buckets: int, bucket_size: int, fp_bits: int) -> list[int]:
     """Decode a sub-filter string's slots (for tests, export and other clients)."""
     # One pass over a bit string: shifting one big integer per slot would be quadratic.
-    bits = "".join(f"{byte:08b}" for byte in data[HEADER_BYTES:-1])
+    bits = "".join(f"{byte:08b}" for byte in data[HEADER_BYTES:-TAG_BYTES])
     return [
         int(bits[k : k + fp_bits], 2) for k in range(0, buckets * bucket_size * fp_bits, fp_bits)
     ]

@@ -1,49 +1,47 @@
-"""Script-free lookups: one BITFIELD_RO per sub-filter reads the header and the buckets.
+"""Script-free lookups: one BITFIELD_RO per sub-filter reads its tag and the buckets.
 
 A lookup only reads, and one Redis command is atomic by itself, so no script is needed: each
-command carries the header fields, the trailer and the item's two buckets, and is checked here
-exactly as the scripts check a header (docs/format.md). Every command validates itself, so a
-chunked batch cannot mix two layouts; several sub-filters are read in one MULTI.
+command reads the 8-byte tag that ends the sub-filter's string (docs/format.md) beside the
+item's two buckets. The tag is where the handle's layout says the string ends, and holds the
+sub-filter count and a digest of the geometry, so one 64-bit read proves that the string is
+there, whole, and laid out as the handle thinks. Every command validates itself, so a chunked
+batch cannot mix two layouts; several sub-filters are read in one MULTI.
 
-Reads are as wide as BITFIELD allows: the header in three 64-bit words, a bucket in as few
-reads as hold whole slots in 64 bits (one for b=4, f=16). Each GET sub-command costs the
-server and the client (packing, parsing) far more than the bits it carries.
+Redis pays per BITFIELD sub-command far more than per bit, so reads are as few and as wide as
+BITFIELD allows: the tag in one 64-bit word, a bucket in as few reads as hold whole slots in
+64 bits (one for b=4, f=16).
+
+Batches are planned and checked with numpy: per item, Python-level arithmetic and slot loops
+cost several times what Redis spends answering. Small batches (one request's single lookup)
+stay in plain Python, where numpy's fixed cost per call would dominate.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from guard import hashing
 from guard import layout as fmt
 from guard.layout import Layout
 
-# Sub-filter 0's header bytes 0..23 as three i64 words (all positive in a valid header):
-# magic, version, b, f0, fp_step | expansion, subfilters, index, flags, m0 | kicks, -, seed.
-_HEADER0 = (("i64", 0), ("i64", 64), ("i64", 128))
-_HEADER0_WORDS = struct.Struct(">IBBBBBBBBIHHI")
-_HEADER_N = (("u32", 0), ("u8", 80))  # other sub-filters: magic and index
 MAX_GETS = 2000
 _U64 = 1 << 64
+VECTOR_MIN = 16  # batches this large are planned with numpy (measured crossover: ~8 items)
 
 
-class Stale(Exception):
-    """The stored layout differs from the handle's; carries the stored one."""
+class TagMismatch(Exception):
+    """A sub-filter's tag is not the one the handle's layout predicts.
 
-    def __init__(self, layout: Layout) -> None:
-        super().__init__("stale layout")
-        self.layout = layout
+    The filter grew or was replaced (the handle is stale), or the key is gone or damaged: only
+    a full header check (a script) can tell which.
+    """
 
-
-class BadHeader(Exception):
-    """Magic, index or trailer wrong: missing (if the key is gone) or corrupt."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(reason)
+    def __init__(self, key: str) -> None:
+        super().__init__(f"tag mismatch in {key}")
         self.key = key
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -69,6 +67,15 @@ class _BucketReads:
             out += ("GET", "i64" if bits == 64 else f"u{bits}", bucket_bit + first * self.fp_bits)
         return out
 
+    def lanes(self) -> list[tuple[int, int]]:
+        """Per read, (lo, hi): a 1 in the lowest, and in the highest, bit of every slot."""
+        f = self.fp_bits
+        out = []
+        for _, count, _ in self.parts:
+            lo = sum(1 << (j * f) for j in range(count))
+            out.append((lo, lo << (f - 1)))
+        return out
+
     def holds(self, values: Sequence[int], fp: int) -> bool:
         f, mask = self.fp_bits, (1 << self.fp_bits) - 1
         for (_, count, bits), v in zip(self.parts, values, strict=True):
@@ -91,25 +98,41 @@ class ReadPlan:
     """The commands answering ``lookup`` for a batch under one layout, and their check."""
 
     def __init__(
-        self, layout: Layout, hashes: Sequence[tuple[int, int]], key: Callable[[int], str]
+        self,
+        layout: Layout,
+        hashes: Sequence[tuple[int, int]],
+        key: Callable[[int], str],
+        vector: bool | None = None,
     ) -> None:
         self.layout = layout
         self.count = len(hashes)
-        b = layout.bucket_size
-        fixed = [(h, hashing.fix_g(g, layout.fp_bits)) for h, g in hashes]
-        self.reads = [_BucketReads.plan(b, layout.fp_bits_at(n)) for n in range(layout.subfilters)]
+        self.vector = self.count >= VECTOR_MIN if vector is None else vector
+        self.reads = [_BucketReads.plan(layout.bucket_size, layout.fp_bits_at(n))
+                      for n in range(layout.subfilters)]  # fmt: skip
+        self.tags = [
+            int.from_bytes(layout.tag(n), "big", signed=True) for n in range(layout.subfilters)
+        ]
         self.commands: list[_Command] = []
+        self._fps: list[np.ndarray] = []  # vector plans: fingerprints per sub-filter
+        if self.vector:
+            self._plan_vector(np.array(hashes, dtype=np.int64).reshape(-1, 2), key)
+        else:
+            self._plan_scalar(hashes, key)
+
+    def _per_command(self, n: int) -> int:
+        return max(1, (MAX_GETS - 1) // (2 * len(self.reads[n].parts)))
+
+    def _tag_read(self, n: int) -> tuple[str, str, int]:
+        return ("GET", "i64", (self.layout.string_bytes(n) - fmt.TAG_BYTES) * 8)
+
+    def _plan_scalar(self, hashes: Sequence[tuple[int, int]], key: Callable[[int], str]) -> None:
+        layout, b = self.layout, self.layout.bucket_size
+        fixed = [(h, hashing.fix_g(g, layout.fp_bits)) for h, g in hashes]
         for n, reads in enumerate(self.reads):
             m, f = layout.buckets(n), layout.fp_bits_at(n)
-            per_item = 2 * len(reads.parts)
-            per_command = max(1, (MAX_GETS - len(_HEADER0) - 1) // per_item)
-            trailer = (layout.string_bytes(n) - 1) * 8
-            header = _HEADER0 if n == 0 else _HEADER_N
+            per_command = self._per_command(n)
             for start in range(0, max(1, self.count), per_command):
-                args: list[object] = [key(n)]
-                for t, off in header:
-                    args += ("GET", t, off)
-                args += ("GET", "u8", trailer)
+                args: list[object] = [key(n), *self._tag_read(n)]
                 idx = list(range(start, min(self.count, start + per_command)))
                 fps = []
                 for k in idx:
@@ -121,23 +144,47 @@ class ReadPlan:
                     args += reads.gets(fmt.HEADER_BYTES * 8 + i2 * b * f)
                 self.commands.append(_Command(n, idx, fps, args))
 
+    def _plan_vector(self, hg: np.ndarray, key: Callable[[int], str]) -> None:
+        """guard/hashing.py's arithmetic on whole arrays (every value stays below 2**53)."""
+        layout, b, f0 = self.layout, self.layout.bucket_size, self.layout.fp_bits
+        h, g = hg[:, 0], hg[:, 1]
+        g = np.where(g >> (32 - f0) == 0, g + (1 << (32 - f0)), g)  # hashing.fix_g
+        x = (g >> (32 - f0)) % hashing.P31  # hashing.mix of the f0-bit prefix
+        x = (x * 1103515 + 12345) % hashing.P31
+        x = (x * (x % 65521 + 1)) % hashing.P31
+        x = (x * 1664525 + 1013904223) % hashing.P31
+        for n, reads in enumerate(self.reads):
+            m, f = layout.buckets(n), layout.fp_bits_at(n)
+            i1 = h % m
+            i2 = (x - i1) % m  # hashing.alt_bucket
+            self._fps.append(g >> (32 - f))
+            # One row per item: both buckets' reads, each as (GET, type, bit offset).
+            parts = len(reads.parts)
+            row = np.empty((self.count, 2 * parts, 3), dtype=object)
+            row[:, :, 0] = "GET"
+            for j, (first, _, bits) in enumerate(reads.parts):
+                row[:, [j, parts + j], 1] = "i64" if bits == 64 else f"u{bits}"
+                for side, i in ((0, i1), (1, i2)):
+                    offsets = fmt.HEADER_BYTES * 8 + (i * b + first) * f
+                    row[:, side * parts + j, 2] = offsets.tolist()
+            per_command = self._per_command(n)
+            for start in range(0, self.count, per_command):
+                stop = min(self.count, start + per_command)
+                args = [key(n), *self._tag_read(n), *row[start:stop].ravel().tolist()]
+                self.commands.append(_Command(n, list(range(start, stop)), [], args))
+
     def evaluate(self, replies: Sequence[Sequence[int]]) -> list[bool]:
-        """Results per item; raises Stale or BadHeader when a header check fails."""
+        """Results per item; raises TagMismatch when a sub-filter's tag is not the expected one."""
+        for cmd, reply in zip(self.commands, replies, strict=True):
+            if reply[0] != self.tags[cmd.subfilter]:
+                raise TagMismatch(str(cmd.args[0]))
+        if self.vector:
+            return self._evaluate_vector(replies)
         found = [False] * self.count
         for cmd, reply in zip(self.commands, replies, strict=True):
-            key = str(cmd.args[0])
-            if cmd.subfilter == 0:
-                self._check_header0(key, reply)
-                skip = len(_HEADER0) + 1
-            else:
-                if reply[0] != fmt.MAGIC or reply[1] != cmd.subfilter:
-                    raise BadHeader(key, f"bad sub-filter {key}")
-                if reply[2] != fmt.TRAILER:
-                    raise BadHeader(key, f"truncated: {key}")
-                skip = len(_HEADER_N) + 1
             reads = self.reads[cmd.subfilter]
             width = len(reads.parts)
-            pos = skip
+            pos = 1
             for k, fp in zip(cmd.items, cmd.fps, strict=True):
                 if not found[k]:
                     found[k] = reads.holds(reply[pos : pos + width], fp) or reads.holds(
@@ -146,16 +193,18 @@ class ReadPlan:
                 pos += 2 * width
         return found
 
-    def _check_header0(self, key: str, reply: Sequence[int]) -> None:
-        raw = b"".join((int(w) % _U64).to_bytes(8, "big") for w in reply[:3])
-        magic, version, *fields = _HEADER0_WORDS.unpack(raw)
-        if magic != fmt.MAGIC:
-            raise BadHeader(key, f"bad magic in {key}")
-        if version != fmt.VERSION:
-            raise BadHeader(key, "unsupported format version")
-        b, f0, step, exp, nsub, _index, _flags, m0, kicks, _shards, seed = fields
-        stored = Layout(b, f0, step, exp, nsub, kicks, m0, seed)
-        if stored != self.layout:
-            raise Stale(stored)
-        if reply[len(_HEADER0)] != fmt.TRAILER:
-            raise BadHeader(key, f"truncated: {key}")
+    def _evaluate_vector(self, replies: Sequence[Sequence[int]]) -> list[bool]:
+        # A read holds fp iff some slot of (read XOR fp in every slot) is zero; the classic
+        # zero-lane test, (x - lo) & ~x & hi != 0, answers that exactly for all slots at once.
+        found = np.zeros(self.count, dtype=bool)
+        for cmd, reply in zip(self.commands, replies, strict=True):
+            reads = self.reads[cmd.subfilter]
+            start, stop = cmd.items[0], cmd.items[-1] + 1
+            values = np.array(reply[1:], dtype=np.int64).view(np.uint64)
+            values = values.reshape(stop - start, 2, len(reads.parts))
+            fp = self._fps[cmd.subfilter][start:stop].astype(np.uint64)
+            for j, (lo, hi) in enumerate(reads.lanes()):
+                x = values[:, :, j] ^ (fp * np.uint64(lo))[:, None]
+                hit = (x - np.uint64(lo)) & ~x & np.uint64(hi)
+                found[start:stop] |= (hit != 0).any(axis=1)
+        return found.tolist()

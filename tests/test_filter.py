@@ -194,8 +194,12 @@ class TestFullAndGrowth:
         assert info.subfilters >= 4
         assert info.items == 8000
         assert all(cf.lookup_many(data))
+        # The scripts wrote each tag (sub-filter 0's count byte rewritten at every growth);
+        # the library predicts them from the layout: the two must agree byte for byte.
+        layout = cf._layout
+        assert layout.subfilters == info.subfilters
         for n in range(info.subfilters):
-            assert sync_redis.exists(cf.key(n))
+            assert sync_redis.getrange(cf.key(n), -8, -1) == layout.tag(n)
         # Each new sub-filter gets one more fingerprint bit: the series keeps the total bounded.
         assert info.error_rate < 0.01
 
@@ -207,7 +211,7 @@ class TestFullAndGrowth:
         a.reserve(100, expansion=1)
         assert b.lookup("nothing") is False  # b now caches a one-sub-filter layout
         a.insert_many(items(1000))
-        # b's cached layout is stale; the scripts' header check makes it refresh, not miss.
+        # b's cached layout is stale; the tag it reads makes it refresh, not miss.
         assert all(b.lookup_many(items(1000)))
 
     def test_deleting_after_growth_keeps_other_items(self, cf: SyncCuckooFilter) -> None:
@@ -271,8 +275,25 @@ class TestMissingAndBroken:
     ) -> None:
         cf.reserve(1000)
         sync_redis.setrange(cf.key(), 0, b"JUNK")
+        # Scripts check the header; a lookup checks the tag, and the table it reads is intact.
         with pytest.raises(FilterCorruptError, match="bad magic"):
-            cf.lookup("x")
+            cf.insert("x")
+        with pytest.raises(FilterCorruptError, match="bad magic"):
+            cf.info()
+
+    @pytest.mark.parametrize("byte", [0, 3, 7])  # sub-filter count, digest, trailer
+    def test_overwritten_tag_is_corrupt(
+        self, cf: SyncCuckooFilter, sync_redis: redis.Redis, byte: int
+    ) -> None:
+        cf.reserve(1000)
+        cf.insert("x")
+        end = sync_redis.strlen(cf.key())
+        at = end - 8 + byte
+        sync_redis.setrange(cf.key(), at, bytes([sync_redis.getrange(cf.key(), at, at)[0] ^ 1]))
+        # Lookups read only the tag; the scripts check it with the header.
+        for op in (cf.lookup, cf.insert, cf.delete):
+            with pytest.raises(FilterCorruptError, match=r"bad tag|truncated"):
+                op("x")
 
     def test_wrong_type_is_corrupt(self, cf: SyncCuckooFilter, sync_redis: redis.Redis) -> None:
         sync_redis.hset(cf.key(), "a", 1)

@@ -1,14 +1,16 @@
 -- _common.lua: constants, layout check and hashing, prepended to every guard script.
 --
 -- KEYS[n + 1] is sub-filter n's string (KEYS[1] holds the header that counts).
--- ARGV[1..8] is the caller's view of the layout: bucket_size, fp_bits, fp_step, expansion,
--- subfilters, max_kicks, buckets0, seed. The first thing a script does is prove that view
--- against the stored header; a mismatch returns {STALE, <stored layout>} and writes nothing.
+-- ARGV[1..9] is the caller's view of the layout: bucket_size, fp_bits, fp_step, expansion,
+-- subfilters, max_kicks, buckets0, seed, and the tag's 48-bit digest of them. The first thing
+-- a script does is prove that view against the stored header and tags; a mismatch returns
+-- {STALE, <stored layout>} and writes nothing.
 --
 -- Numbers: Lua 5.1 holds integers below 2^53 exactly in doubles, and math.fmod is exact,
 -- so every product below is kept under 2^53 and reduced with fmod (no `bit`: fakeredis has none).
 
-local MAGIC, VERSION, TRAILER = 1129006916, 1, 165  -- "CKGD"
+local MAGIC, VERSION, TRAILER = 1129006916, 2, 165  -- "CKGD"
+local TAG_BYTES = 8  -- each string ends in a tag whose last byte is TRAILER (docs/format.md)
 local HEADER_BITS = 512
 local MAX_SUBFILTERS = 32
 local MAX_STRING_BYTES = 536870912
@@ -23,7 +25,7 @@ local fmod, floor = math.fmod, math.floor
 local L = {
   b = tonumber(ARGV[1]), f0 = tonumber(ARGV[2]), fstep = tonumber(ARGV[3]),
   exp = tonumber(ARGV[4]), nsub = tonumber(ARGV[5]), kicks = tonumber(ARGV[6]),
-  m0 = tonumber(ARGV[7]), seed = tonumber(ARGV[8]),
+  m0 = tonumber(ARGV[7]), seed = tonumber(ARGV[8]), digest = tonumber(ARGV[9]),
 }
 
 local function sf_buckets(n)
@@ -38,7 +40,7 @@ local function sf_bits(n)
 end
 
 local function sf_bytes(n)
-  return 64 + math.ceil(sf_buckets(n) * L.b * sf_bits(n) / 8) + 1
+  return 64 + math.ceil(sf_buckets(n) * L.b * sf_bits(n) / 8) + TAG_BYTES
 end
 
 local function guard_error(code, msg)
@@ -58,12 +60,25 @@ local function header_gets(n, args)
     args[#args + 1] = 'GET'; args[#args + 1] = 'u32'; args[#args + 1] = 0
     args[#args + 1] = 'GET'; args[#args + 1] = 'u8'; args[#args + 1] = 80
   end
-  args[#args + 1] = 'GET'; args[#args + 1] = 'u8'; args[#args + 1] = (sf_bytes(n) - 1) * 8
-  return n == 0 and 11 or 3
+  -- The tag in two u32 words: a double holds 32 bits exactly, not 64.
+  local tag = (sf_bytes(n) - TAG_BYTES) * 8
+  args[#args + 1] = 'GET'; args[#args + 1] = 'u32'; args[#args + 1] = tag
+  args[#args + 1] = 'GET'; args[#args + 1] = 'u32'; args[#args + 1] = tag + 32
+  return n == 0 and 12 or 4
 end
 
 local function layout_known()
   return L.m0 > 0 and L.nsub >= 1 and #KEYS >= L.nsub
+end
+
+-- Sub-filter n's tag words against the tag L predicts (docs/format.md): nil, or the error.
+local function verify_tag(n, w1, w2)
+  if fmod(w2, 256) ~= TRAILER then return guard_error('CORRUPT', 'truncated: ' .. KEYS[n + 1]) end
+  local first = n == 0 and L.nsub or 128 + n
+  if w1 ~= first * 2 ^ 24 + floor(L.digest / 2 ^ 24) or w2 ~= fmod(L.digest, 2 ^ 24) * 256 + TRAILER then
+    return guard_error('CORRUPT', 'bad tag in ' .. KEYS[n + 1])
+  end
+  return nil
 end
 
 -- Checks the values header_gets() read. Returns nil when they match L, else the reply the
@@ -71,8 +86,7 @@ end
 local function verify_header(n, r)
   if n > 0 then
     if r[1] ~= MAGIC or r[2] ~= n then return guard_error('CORRUPT', 'bad sub-filter ' .. KEYS[n + 1]) end
-    if r[3] ~= TRAILER then return guard_error('CORRUPT', 'truncated: ' .. KEYS[n + 1]) end
-    return nil
+    return verify_tag(n, r[3], r[4])
   end
   if r[1] ~= MAGIC then
     if redis.call('EXISTS', KEYS[1]) == 0 then return guard_error('NOTFOUND', 'no such filter') end
@@ -85,8 +99,7 @@ local function verify_header(n, r)
       return {STALE, r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]}
     end
   end
-  if r[11] ~= TRAILER then return guard_error('CORRUPT', 'truncated: ' .. KEYS[1]) end
-  return nil
+  return verify_tag(0, r[11], r[12])
 end
 
 -- Validates every sub-filter's header, one call each. With no known layout (a new handle) it
@@ -96,8 +109,7 @@ local function check_layout()
     local r = redis.call('BITFIELD', KEYS[1], 'GET', 'u32', 0, 'GET', 'u8', 40, 'GET', 'u8', 48,
       'GET', 'u8', 56, 'GET', 'u8', 64, 'GET', 'u8', 72, 'GET', 'u16', 128, 'GET', 'u32', 96,
       'GET', 'u32', 160, 'GET', 'u8', 32)
-    r[11] = TRAILER
-    local err = verify_header(0, r)
+    local err = verify_header(0, r)  -- STALE: no layout matches an unknown one
     if err then return err end
     return {STALE, r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]}
   end

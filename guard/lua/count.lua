@@ -1,5 +1,5 @@
 -- count.lua: how many copies of each item's fingerprint the filter holds.
--- KEYS: sub-filters 0..subfilters-1.  ARGV: layout (8), then h1, g1, h2, g2, ...
+-- KEYS: sub-filters 0..subfilters-1.  ARGV: layout (9), then h1, g1, h2, g2, ...
 -- Reply: {OK, subfilters, c1, c2, ...}; or {STALE, layout...}.
 local err = check_layout()
 if err then return err end
@@ -11,7 +11,7 @@ local function matches(bkt, fp)
 end
 
 local reply = {OK, L.nsub}
-for k = 9, #ARGV, 2 do
+for k = 10, #ARGV, 2 do
   local h, g = tonumber(ARGV[k]), fixed_g(tonumber(ARGV[k + 1]))
   local c = 0
   for n = 0, L.nsub - 1 do

@@ -1,5 +1,5 @@
 -- delete.lua: remove one copy of each item's fingerprint.
--- KEYS: sub-filters 0..subfilters-1.  ARGV: layout (8), then h1, g1, h2, g2, ...
+-- KEYS: sub-filters 0..subfilters-1.  ARGV: layout (9), then h1, g1, h2, g2, ...
 -- Reply: {OK, subfilters, r1, r2, ...} with r = 1 removed, 0 nothing found (counted as a
 --   missed delete: deleting what was never inserted is how a cuckoo filter loses keys).
 --   Or {STALE, layout...}.
@@ -7,7 +7,7 @@ local err = check_layout()
 if err then return err end
 
 local reply, removed, missed = {OK, L.nsub}, 0, 0
-for k = 9, #ARGV, 2 do
+for k = 10, #ARGV, 2 do
   local h, g = tonumber(ARGV[k]), fixed_g(tonumber(ARGV[k + 1]))
   local hit = 0
   -- Newest sub-filter first. Sizes divide one another and fingerprints are prefixes of one

@@ -1,5 +1,5 @@
 -- info.lua: counters of the filter.
--- KEYS: sub-filters 0..subfilters-1.  ARGV: layout (8).
+-- KEYS: sub-filters 0..subfilters-1.  ARGV: layout (9).
 -- Reply: {OK, subfilters, capacity, deletes, missed_deletes, error_rate_ppt, items_0, ...};
 --   or {STALE, layout...}.
 local err = check_layout()

@@ -1,13 +1,13 @@
 -- insert.lua: add items (the filter is a multiset), kicking and growing as needed.
 -- KEYS: sub-filters 0..subfilters-1, then spare keys growth may create (subfilters, ...).
--- ARGV: layout (8), unique (0|1), then h1, g1, h2, g2, ...
+-- ARGV: layout (9), unique (0|1), then h1, g1, h2, g2, ...
 -- Reply: {status, subfilters, r1, r2, ...}, one r per item handled (1 added; 0 already
 --   present, only when unique). status OK: all handled; FULL: a fixed-size filter (or one at
 --   its growth limit) could not place the next item; NEEDKEYS: growth needs a key not passed.
 --   Both stop at that item with everything before it written. Or {STALE, layout...}.
 local err = check_layout()
 if err then return err end
-local unique = ARGV[9] == '1'
+local unique = ARGV[10] == '1'
 
 local function present(h, g)
   for n = L.nsub - 1, 0, -1 do
@@ -80,17 +80,22 @@ local function grow()
   if #KEYS < n + 1 then return NEEDKEYS end
   local key = KEYS[n + 1]
   redis.call('DEL', key)
-  redis.call('SETRANGE', key, sf_bytes(n) - 1, string.char(TRAILER))
+  -- The new tag: this sub-filter's index (top bit set), then the geometry digest copied from
+  -- sub-filter 0's tag, whose first byte (the sub-filter count) changes below.
+  local tag0 = sf_bytes(0) - TAG_BYTES
+  local digest = redis.call('GETRANGE', KEYS[1], tag0 + 1, tag0 + 6)
+  redis.call('SETRANGE', key, sf_bytes(n) - TAG_BYTES,
+    string.char(128 + n) .. digest .. string.char(TRAILER))
   redis.call('SETRANGE', key, 0, redis.call('GETRANGE', KEYS[1], 0, 63))
   redis.call('BITFIELD', key, 'SET', 'u8', 80, n, 'SET', 'i64', 256, 0,
     'SET', 'i64', 320, 0, 'SET', 'i64', 384, 0)
-  redis.call('BITFIELD', KEYS[1], 'SET', 'u8', 72, n + 1)
+  redis.call('BITFIELD', KEYS[1], 'SET', 'u8', 72, n + 1, 'SET', 'u8', tag0 * 8, n + 1)
   L.nsub = n + 1
   return OK
 end
 
 local reply, status = {0, 0}, OK
-for k = 10, #ARGV, 2 do
+for k = 11, #ARGV, 2 do
   local h, g = tonumber(ARGV[k]), fixed_g(tonumber(ARGV[k + 1]))
   if unique and present(h, g) then
     reply[#reply + 1] = 0

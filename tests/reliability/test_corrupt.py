@@ -1,6 +1,6 @@
-"""A filter damaged in Redis (truncated, header overwritten, a key of another type) is an error
-over HTTP, never "absent": a documented 500 with a clear message and no Redis internals, and
-the guard treats a damaged records filter like Redis being down."""
+"""A filter damaged in Redis (truncated, its tag or header overwritten, a key of another type)
+is an error over HTTP, never "absent": a documented 500 with a clear message and no Redis
+internals, and the guard treats a damaged records filter like Redis being down."""
 
 from __future__ import annotations
 
@@ -19,11 +19,15 @@ pytestmark = pytest.mark.realredis
 def _truncate(r: redis.Redis, key: str) -> None:
     value = r.get(key)
     assert value is not None
-    r.set(key, value[:-3])  # loses the trailer byte (docs/format.md)
+    r.set(key, value[:-3])  # loses the tag (docs/format.md)
 
 
 def _overwrite_header(r: redis.Redis, key: str) -> None:
     r.setrange(key, 0, b"XXXX")  # the magic
+
+
+def _overwrite_tag(r: redis.Redis, key: str) -> None:
+    r.setrange(key, r.strlen(key) - 7, b"XXXXXX")  # the tag's digest (docs/format.md)
 
 
 def _wrong_type(r: redis.Redis, key: str) -> None:
@@ -33,7 +37,7 @@ def _wrong_type(r: redis.Redis, key: str) -> None:
 
 DAMAGE: dict[str, Callable[[redis.Redis, str], None]] = {
     "truncated": _truncate,
-    "header": _overwrite_header,
+    "tag": _overwrite_tag,
     "wrong_type": _wrong_type,
 }
 
@@ -125,3 +129,27 @@ class TestDamagedFilter:
         assert (await c.get("/records/user-2")).status_code == 200  # the delete never ran
         assert (await c.get("/records/new-1")).headers["x-guard"] == "blocked"  # nor the put
         assert (await c.get("/records/user-1")).headers["x-guard"] == "passed"
+
+
+async def test_damaged_header_stops_writes_while_lookups_read_the_intact_table(
+    start_app: StartApp,
+) -> None:
+    """Lookups prove their layout by the tag alone (docs/format.md), so a header overwritten
+    over an intact table and tag leaves them right; every script checks the header, so no
+    write, and no info, goes through until the filter is dropped or rebuilt."""
+    svc = await start_app()
+    c = svc.client
+    assert (await c.put("/filters/f", json={"capacity": 1000}, headers=AUTH)).status_code == 201
+    present = [f"p{i}" for i in range(200)]
+    assert (
+        await c.post("/filters/f/add", json={"items": present}, headers=AUTH)
+    ).status_code == 200
+    _overwrite_header(svc.redis, svc.key("f"))
+    checked = await c.post("/filters/f/check", json={"items": present})
+    assert checked.status_code == 200 and all(checked.json()["results"])
+    assert (await c.get("/filters/f/items/p7")).json() == {"exists": True}
+    lookups = {("POST", "/filters/f/check"), ("GET", "/filters/f/items/a")}
+    for method, path, body in ROUTES:
+        if (method, path) not in lookups:
+            r = await c.request(method, path, json=body, headers=AUTH)
+            assert_damaged(svc, r.status_code, r.text, "f")

@@ -1,0 +1,99 @@
+"""The lookup read plans (guard/reads.py): numpy and plain Python must agree bit for bit.
+
+Batches of VECTOR_MIN items or more are planned and checked with numpy, smaller ones in plain
+Python; the filter tests run both through Redis. Here random layouts, items and bucket
+contents drive both planners side by side, and each answer is checked against the slots
+decoded one by one.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from guard import hashing
+from guard.layout import Layout
+from guard.reads import VECTOR_MIN, ReadPlan
+
+
+def bits_of(read_type: str) -> int:
+    return 64 if read_type == "i64" else int(read_type[1:])
+
+
+def fake_replies(plan: ReadPlan, rng: random.Random) -> list[list[int]]:
+    """Random bucket contents with every third item's fingerprint planted in one of its slots."""
+    replies = []
+    for cmd in plan.commands:
+        reads = plan.reads[cmd.subfilter]
+        f, width = reads.fp_bits, len(reads.parts)
+        reply = [plan.tags[cmd.subfilter]]
+        for at in range(4, len(cmd.args), 3):
+            reply.append(rng.getrandbits(bits_of(str(cmd.args[at + 1]))))
+        fps = cmd.fps or [int(x) for x in plan._fps[cmd.subfilter][cmd.items]]
+        for q, fp in enumerate(fps):
+            if q % 3 == 0:
+                part = rng.randrange(width)
+                at = 1 + 2 * width * q + rng.randrange(2) * width + part
+                count, bits = reads.parts[part][1], reads.parts[part][2]
+                shift = bits - f * (rng.randrange(count) + 1)
+                reply[at] = reply[at] & ~(((1 << f) - 1) << shift) | fp << shift
+        for at, value in enumerate(reply[1:], 1):  # what BITFIELD answers for an i64 read
+            if value >= 1 << 63:
+                reply[at] = value - (1 << 64)
+        replies.append(reply)
+    return replies
+
+
+def decoded_answer(plan: ReadPlan, replies: list[list[int]]) -> list[bool]:
+    """Slot by slot, without either planner's checking code."""
+    found = [False] * plan.count
+    for cmd, reply in zip(plan.commands, replies, strict=True):
+        reads = plan.reads[cmd.subfilter]
+        f, width = reads.fp_bits, len(reads.parts)
+        fps = cmd.fps or [int(x) for x in plan._fps[cmd.subfilter][cmd.items]]
+        for q, (k, fp) in enumerate(zip(cmd.items, fps, strict=True)):
+            for at in range(1 + 2 * width * q, 1 + 2 * width * (q + 1)):
+                _, count, bits = reads.parts[(at - 1) % width]
+                value = reply[at] % (1 << 64)
+                slots = [(value >> (bits - f * (s + 1))) & ((1 << f) - 1) for s in range(count)]
+                found[k] = found[k] or fp in slots
+    return found
+
+
+layouts = st.builds(
+    Layout,
+    bucket_size=st.sampled_from([1, 2, 4, 8]),
+    fp_bits=st.integers(4, 32),
+    fp_step=st.integers(0, 1),
+    expansion=st.sampled_from([0, 1, 2, 4]),
+    subfilters=st.integers(1, 4),
+    max_kicks=st.just(500),
+    buckets0=st.integers(1, 5000),
+    seed=st.integers(0, 2**32 - 1),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts, st.integers(1, 1200), st.integers(0, 2**32 - 1))
+def test_numpy_and_python_plans_agree(layout: Layout, count: int, salt: int) -> None:
+    if layout.expansion == 0 and layout.subfilters > 1:
+        layout = Layout(layout.bucket_size, layout.fp_bits, layout.fp_step, 0, 1,
+                        layout.max_kicks, layout.buckets0, layout.seed)  # fmt: skip
+    hashes = [hashing.item_hash(f"{salt}-{i}".encode(), layout.seed) for i in range(count)]
+    scalar = ReadPlan(layout, hashes, lambda n: f"key:{n}", vector=False)
+    vector = ReadPlan(layout, hashes, lambda n: f"key:{n}", vector=True)
+    assert [c.args for c in vector.commands] == [c.args for c in scalar.commands]
+    replies = fake_replies(scalar, random.Random(salt))
+    expected = decoded_answer(scalar, replies)
+    assert scalar.evaluate(replies) == expected
+    assert vector.evaluate(replies) == expected
+    assert 0 < sum(expected) <= count  # planted fingerprints are found
+
+
+def test_batch_size_picks_the_planner() -> None:
+    layout = Layout(4, 16, 0, 0, 1, 500, 1000, 1)
+    hashes = [hashing.item_hash(str(i).encode(), 1) for i in range(VECTOR_MIN)]
+    assert ReadPlan(layout, hashes, str).vector
+    assert not ReadPlan(layout, hashes[:-1], str).vector
