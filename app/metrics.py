@@ -84,12 +84,27 @@ class Metrics:
             ["filter"],
             registry=r,
         )
+        # labels() checks and looks up its values on every call (3 µs of each request):
+        # the request series are kept here by (route, method, status) instead.
+        self._request_series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
         self._queries = _QueryCollector()
         r.register(self._queries)
         self.stats = Stats()
 
     def bind_queries(self, source: Callable[[], int] | None) -> None:
         self._queries.source = source
+
+    def request(self, route: str, method: str, status: int, seconds: float) -> None:
+        """Count and time one HTTP request."""
+        series = self._request_series.get((route, method, status))
+        if series is None:
+            series = (
+                self.requests.labels(route, method, str(status)),
+                self.latency.labels(route, method),
+            )
+            self._request_series[route, method, status] = series
+        series[0].inc()
+        series[1].observe(seconds)
 
     def decision(self, decision: str) -> None:
         """Count a guard decision (called by the guard middleware and the records store)."""
@@ -150,10 +165,8 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            route = self._route(scope)
-            method = scope["method"]
-            self.metrics.requests.labels(route, method, str(status)).inc()
-            self.metrics.latency.labels(route, method).observe(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.metrics.request(self._route(scope), scope["method"], status, seconds)
 
     def _route(self, scope: Scope) -> str:
         route = scope.get("route")
