@@ -10,6 +10,7 @@ import pytest
 from asgi_lifespan import LifespanManager
 from pydantic import SecretStr
 
+from app.deps import NAME_PATTERN
 from app.main import create_app
 from app.settings import Settings
 from tests.app.conftest import AUTH, Service, StartService
@@ -139,6 +140,16 @@ class TestOpenAPI:
         for (path, method), codes in expected.items():
             documented = set(paths[path][method]["responses"])
             assert codes <= documented, (path, method, codes - documented)
+
+    async def test_item_lookup_parameters_documented(self, svc: Service) -> None:
+        """The lookup takes its filter name without FilterDep; the docs must not notice."""
+        spec = (await svc.client.get("/openapi.json")).json()
+        op = spec["paths"]["/filters/{name}/items/{item}"]["get"]
+        params = [(p["name"], p["in"], p["schema"].get("pattern")) for p in op["parameters"]]
+        assert params == [("item", "path", None), ("name", "path", NAME_PATTERN)]
+        assert op["parameters"][1]["description"] == "Filter name"
+        ok = op["responses"]["200"]["content"]["application/json"]["schema"]
+        assert ok == {"$ref": "#/components/schemas/Exists"}
 
 
 class TestMetrics:
