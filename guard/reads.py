@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -67,6 +68,7 @@ class _BucketReads:
             out += ("GET", "i64" if bits == 64 else f"u{bits}", bucket_bit + first * self.fp_bits)
         return out
 
+    @cached_property
     def lanes(self) -> list[tuple[int, int]]:
         """Per read, (lo, hi): a 1 in the lowest, and in the highest, bit of every slot."""
         f = self.fp_bits
@@ -94,6 +96,23 @@ class _Command:
     args: list[object]
 
 
+@lru_cache(maxsize=256)  # a handle holds one layout at a time; a service has a few handles
+def _per_subfilter(
+    layout: Layout,
+) -> tuple[tuple[_BucketReads, ...], tuple[int, ...], tuple[tuple[str, str, int], ...]]:
+    """Per sub-filter: how a bucket is read, the tag as BITFIELD reads it, and the tag's read.
+
+    Derived from the layout alone, so worked out once per layout, not once per lookup.
+    """
+    subfilters = range(layout.subfilters)
+    reads = tuple(_BucketReads.plan(layout.bucket_size, layout.fp_bits_at(n)) for n in subfilters)
+    tags = tuple(int.from_bytes(layout.tag(n), "big", signed=True) for n in subfilters)
+    tag_reads = tuple(
+        ("GET", "i64", (layout.string_bytes(n) - fmt.TAG_BYTES) * 8) for n in subfilters
+    )
+    return reads, tags, tag_reads
+
+
 class ReadPlan:
     """The commands answering ``lookup`` for a batch under one layout, and their check."""
 
@@ -107,11 +126,7 @@ class ReadPlan:
         self.layout = layout
         self.count = len(hashes)
         self.vector = self.count >= VECTOR_MIN if vector is None else vector
-        self.reads = [_BucketReads.plan(layout.bucket_size, layout.fp_bits_at(n))
-                      for n in range(layout.subfilters)]  # fmt: skip
-        self.tags = [
-            int.from_bytes(layout.tag(n), "big", signed=True) for n in range(layout.subfilters)
-        ]
+        self.reads, self.tags, self._tag_reads = _per_subfilter(layout)
         self.commands: list[_Command] = []
         self._fps: list[np.ndarray] = []  # vector plans: fingerprints per sub-filter
         if self.vector:
@@ -122,9 +137,6 @@ class ReadPlan:
     def _per_command(self, n: int) -> int:
         return max(1, (MAX_GETS - 1) // (2 * len(self.reads[n].parts)))
 
-    def _tag_read(self, n: int) -> tuple[str, str, int]:
-        return ("GET", "i64", (self.layout.string_bytes(n) - fmt.TAG_BYTES) * 8)
-
     def _plan_scalar(self, hashes: Sequence[tuple[int, int]], key: Callable[[int], str]) -> None:
         layout, b = self.layout, self.layout.bucket_size
         fixed = [(h, hashing.fix_g(g, layout.fp_bits)) for h, g in hashes]
@@ -132,7 +144,7 @@ class ReadPlan:
             m, f = layout.buckets(n), layout.fp_bits_at(n)
             per_command = self._per_command(n)
             for start in range(0, max(1, self.count), per_command):
-                args: list[object] = [key(n), *self._tag_read(n)]
+                args: list[object] = [key(n), *self._tag_reads[n]]
                 idx = list(range(start, min(self.count, start + per_command)))
                 fps = []
                 for k in idx:
@@ -170,7 +182,7 @@ class ReadPlan:
             per_command = self._per_command(n)
             for start in range(0, self.count, per_command):
                 stop = min(self.count, start + per_command)
-                args = [key(n), *self._tag_read(n), *row[start:stop].ravel().tolist()]
+                args = [key(n), *self._tag_reads[n], *row[start:stop].ravel().tolist()]
                 self.commands.append(_Command(n, list(range(start, stop)), [], args))
 
     def evaluate(self, replies: Sequence[Sequence[int]]) -> list[bool]:
@@ -203,7 +215,7 @@ class ReadPlan:
             values = np.array(reply[1:], dtype=np.int64).view(np.uint64)
             values = values.reshape(stop - start, 2, len(reads.parts))
             fp = self._fps[cmd.subfilter][start:stop].astype(np.uint64)
-            for j, (lo, hi) in enumerate(reads.lanes()):
+            for j, (lo, hi) in enumerate(reads.lanes):
                 x = values[:, :, j] ^ (fp * np.uint64(lo))[:, None]
                 hit = (x - np.uint64(lo)) & ~x & np.uint64(hi)
                 found[start:stop] |= (hit != 0).any(axis=1)
