@@ -62,6 +62,22 @@ def sqlite_path(url: str) -> str:
     return url[len(prefix) :] or ":memory:"
 
 
+@asynccontextmanager
+async def _immediate(conn: aiosqlite.Connection) -> AsyncIterator[aiosqlite.Connection]:
+    """One transaction, committed unless the block raises.
+
+    IMMEDIATE takes SQLite's write lock now, so write_barrier() of another connection or
+    process waits for the whole transaction, hooks included.
+    """
+    await conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        await conn.rollback()
+        raise
+    await conn.commit()
+
+
 class SQLiteDatabase:
     """SQLite in WAL mode: one writer connection, one reader, one for snapshots and barriers.
 
@@ -131,16 +147,8 @@ class SQLiteDatabase:
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
         conn = self._conn(self._writer)
-        async with self._write_lock:
-            # IMMEDIATE takes SQLite's write lock now, so write_barrier() of another
-            # connection or process waits for this whole transaction, hooks included.
-            await conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-            except BaseException:
-                await conn.rollback()
-                raise
-            await conn.commit()
+        async with self._write_lock, _immediate(conn):
+            yield conn
 
     async def put(self, key: str, value: str, on_create: Hook | None = None) -> bool:
         async with self._transaction() as conn:
@@ -189,14 +197,8 @@ class SQLiteDatabase:
         # The writer's lock first: asyncio locks are FIFO, so this process's writers queue
         # behind us instead of starving us (SQLite's busy handler only polls). Other
         # processes are held off by SQLite's lock itself.
-        async with self._write_lock, self._admin_lock:
-            await conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-            except BaseException:
-                await conn.rollback()
-                raise
-            await conn.commit()
+        async with self._write_lock, self._admin_lock, _immediate(conn):
+            yield conn
 
     @asynccontextmanager
     async def write_barrier(self) -> AsyncIterator[None]:
