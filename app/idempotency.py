@@ -9,12 +9,14 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi.responses import JSONResponse
 
 from app.errors import BadInput, Conflict, error_response
+from guard.errors import RedisUnreachable
 
 HEADER = "Idempotency-Key"
 KEY_PATTERN = re.compile(r"^[\x21-\x7e]{1,255}$")  # printable ASCII, no spaces
@@ -23,8 +25,9 @@ KEY_PATTERN = re.compile(r"^[\x21-\x7e]{1,255}$")  # printable ASCII, no spaces
 IN_DOUBT_AFTER_S = 60.0
 _POLL_S = 0.05
 
-# Answers worth replaying: the mutation ran (fully, or partly for 507). Any other error
-# changed nothing, so the claim is released and a retry runs for real.
+# Answers worth replaying: the mutation ran (fully, or partly for 507). Any other error but
+# an unknown outcome (Redis unreachable mid-call) changed nothing, so the claim is released
+# and a retry runs.
 _STORED = frozenset({200, 201, 507})
 
 # KEYS[1] the claim; ARGV[1] the claim as we wrote it. Reply: 1 released, 0 not ours (any more).
@@ -84,6 +87,12 @@ class Idempotency:
             await asyncio.sleep(_POLL_S)
         try:
             response = await op()
+        except RedisUnreachable:
+            # Redis took the command but its answer never came, so whether it ran is unknown
+            # (this answers 503): a rerun could delete a second copy of a fingerprint, which
+            # is a false negative. The claim is kept, marked in doubt.
+            await self._mark_in_doubt(key, request_fp)
+            raise
         except Exception as exc:
             mapped = error_response(exc)
             if mapped is None or mapped.status_code not in _STORED:
@@ -99,6 +108,11 @@ class Idempotency:
         await self.redis.set(key, json.dumps(record), px=self.ttl_ms)
         return response
 
+    async def _mark_in_doubt(self, key: str, request_fp: str) -> None:
+        record = {"state": "in-doubt", "fp": request_fp}
+        with suppress(*RedisUnreachable):  # Redis still away: the claim stays "pending"
+            await self.redis.set(key, json.dumps(record), px=self.ttl_ms)
+
     async def _stored(self, key: str, request_fp: str) -> JSONResponse | None:
         """The stored answer for `key`; None while the first request is still running (or
         released its claim, in which case the caller claims the key itself)."""
@@ -108,6 +122,11 @@ class Idempotency:
         record = json.loads(raw)
         if record["fp"] != request_fp:
             raise BadInput(("header", HEADER), "was already used for a different request")
+        if record["state"] == "in-doubt":
+            raise Conflict(
+                "the first request with this Idempotency-Key got no answer from Redis and may "
+                "have changed the filter: check the filter, then retry with a new key"
+            )
         if record["state"] != "done":
             if time.time() - record.get("since", time.time()) > IN_DOUBT_AFTER_S:
                 raise Conflict(

@@ -10,9 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from app.settings import Settings
 from guard.connect import connect_async, is_cluster_url
@@ -23,15 +20,12 @@ MEMORY_URL = "memory://"
 
 
 def _client_options(settings: Settings) -> dict[str, Any]:
-    # Short timeouts and one quick retry: the retry replaces a pooled connection that died
-    # with a Redis restart, while a Redis that is really gone fails in milliseconds so the
-    # guard can fail open instead of holding requests (redis-py's default is 10 retries).
+    # Short timeouts: a Redis that is really gone fails in milliseconds, so the guard can fail
+    # open instead of holding requests. connect_async() retries only a broken connection, once
+    # (a timeout retried would double the time a request hangs, and may run a script twice).
     return {
         "socket_timeout": settings.redis_timeout,
         "socket_connect_timeout": settings.redis_timeout,
-        # Only a broken connection is retried: a timeout retried would double the time a
-        # request hangs on a Redis that stopped answering.
-        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         "decode_responses": False,
     }
 
@@ -61,13 +55,13 @@ async def open_redis(settings: Settings) -> AsyncIterator[aioredis.Redis]:
         client = connect_async(settings.redis_url, cluster=True, **_client_options(settings))
         log.info("redis: cluster %s", _redact(settings.redis_url))
     elif settings.redis_url:
-        client = aioredis.Redis.from_url(settings.redis_url, **_client_options(settings))
+        client = connect_async(settings.redis_url, **_client_options(settings))
         log.info("redis: %s", _redact(settings.redis_url))
     else:
         path = Path(settings.embedded_redis_file).resolve()
         # Starting redis-server blocks for ~0.1 s: keep it off the event loop.
         server = await asyncio.to_thread(_start_embedded, path)
-        client = aioredis.Redis(unix_socket_path=server.socket_file, **_client_options(settings))
+        client = connect_async(f"unix://{server.socket_file}", **_client_options(settings))
         log.info("redis: embedded redis-server, data in %s", path)
     try:
         yield client

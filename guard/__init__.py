@@ -15,6 +15,7 @@ from guard.filter import (
     list_filters,
     list_filters_sync,
 )
+from guard.packing import use_hiredis_packing
 from guard.sharded import ShardedCuckooFilter, ShardedFilterInfo, SyncShardedCuckooFilter
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "SyncShardedCuckooFilter",
     "list_filters",
     "list_filters_sync",
+    "use_hiredis_packing",
 ]

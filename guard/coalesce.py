@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from guard.errors import RedisUnreachable
 
 Lookup = Callable[[list[bytes]], Awaitable[list[bool]]]
-RedisUnreachable = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class LookupCoalescer:

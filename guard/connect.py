@@ -15,9 +15,14 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.retry import Retry
 
 from guard.errors import InvalidParameterError
+from guard.packing import use_hiredis_packing
 
 CLUSTER_SCHEMES = {"redis-cluster": "redis", "rediss-cluster": "rediss"}
 
@@ -59,12 +64,22 @@ def _want_cluster(url: str, cluster: bool | None) -> bool:
     return bool(cluster) or is_cluster_url(url)
 
 
+def _no_timeout_retry(options: dict[str, Any], retry_class: type[Any]) -> dict[str, Any]:
+    """redis-py's default client sends a command that timed out again (3 times in 8.1). A
+    script that timed out may still have run, and a delete run twice can remove a second copy
+    of an item's fingerprint: a false negative. Only a broken connection is retried, once (it
+    replaces a pooled connection a Redis restart killed), unless the caller chose a retry."""
+    return {"retry": retry_class(NoBackoff(), 1, (RedisConnectionError,)), **options}
+
+
 def connect(url: str, *, cluster: bool | None = None, **options: Any) -> Any:
     """A blocking client: ``redis.Redis`` or ``redis.cluster.RedisCluster``.
 
     ``cluster``: None = from the URL's scheme; True = a cluster even for a ``redis://`` URL.
-    ``options`` go to the client (socket_timeout, decode_responses, retry, …).
+    ``options`` go to the client (socket_timeout, decode_responses, retry, …); without
+    ``retry``, a command that timed out is not sent again (see ``_no_timeout_retry``).
     """
+    options = _no_timeout_retry(options, Retry)
     if not _want_cluster(url, cluster):
         return redis.Redis.from_url(url, **options)
     if not is_cluster_url(url):
@@ -76,8 +91,9 @@ def connect(url: str, *, cluster: bool | None = None, **options: Any) -> Any:
 
 def connect_async(url: str, *, cluster: bool | None = None, **options: Any) -> Any:
     """The asyncio twin of :func:`connect`: ``redis.asyncio.Redis`` or its ``RedisCluster``."""
+    options = _no_timeout_retry(options, AsyncRetry)
     if not _want_cluster(url, cluster):
-        return aioredis.Redis.from_url(url, **options)
+        return use_hiredis_packing(aioredis.Redis.from_url(url, **options))
     if not is_cluster_url(url):
         return AsyncRedisCluster.from_url(url, **options)
     seed, others = split_cluster_url(url)

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# Redis did not answer (refused, dropped, timed out): not the guard's own errors, but every
+# caller that has to tell "Redis is away" from "Redis said no" catches this tuple.
+RedisUnreachable = (RedisConnectionError, RedisTimeoutError, OSError)
+
 
 class GuardError(Exception):
     """Base class of every error the guard library raises on purpose."""

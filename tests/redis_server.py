@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import redis
 
-from tests.processes import stop_process
+from app.cli.service import stop_process
 
 
 def free_port() -> int:
@@ -118,3 +118,14 @@ def real_redis(env_var: str, default: str) -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+# Holds a server for 2 s of its time, writing nothing: commands sent meanwhile queue behind it.
+SPIN_2S = """
+local t = redis.call('TIME')
+local start = t[1] * 1e6 + t[2]
+while true do
+  local n = redis.call('TIME')
+  if n[1] * 1e6 + n[2] - start > 2e6 then return 1 end
+end
+"""

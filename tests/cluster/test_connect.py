@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any
+
 import pytest
 import redis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
-from guard import InvalidParameterError
+from guard import InvalidParameterError, SyncCuckooFilter
 from guard.connect import connect, connect_async, is_cluster_url, split_cluster_url
 from tests.cluster.server import LocalCluster
+from tests.redis_server import SPIN_2S, RedisProcess
 
 
 class TestParsing:
@@ -65,3 +70,44 @@ class TestClients:
         assert isinstance(client, AsyncRedisCluster)
         assert await client.ping()
         await client.aclose()
+
+
+class TestNoRetryAfterTimeout:
+    """A script that timed out may still run: connect() must not send it a second time.
+
+    (redis-py's own default resends it, after a random back-off of up to 2 s: with an item
+    inserted twice, one timed-out delete then removed both copies, a false negative, in a run
+    by hand against a private server.)
+    """
+
+    @pytest.mark.parametrize("open_client", [connect, connect_async])
+    def test_only_a_broken_connection_is_retried(self, open_client: Any) -> None:
+        retry = open_client("redis://127.0.0.1:1").get_retry()
+        assert retry.get_retries() == 1
+        assert redis.TimeoutError not in retry._supported_errors
+        assert redis.ConnectionError in retry._supported_errors
+        mine = open_client("redis://127.0.0.1:1", retry=None)  # the caller's choice stands
+        assert mine.get_retry() is None
+
+    def test_a_timed_out_delete_runs_once(self) -> None:
+        server = RedisProcess.start()  # its own: a busy script blocks every client of a server
+        busy = redis.Redis.from_url(server.url)
+        client = connect(server.url, socket_timeout=0.5)
+        try:
+            cf = SyncCuckooFilter(client, "f", prefix="t:")
+            cf.reserve(100)
+            cf.insert_many(["a", "a", "b"])
+            cf.delete("b")  # loads the script: a first EVALSHA would fail NOSCRIPT
+            blocker = threading.Thread(target=busy.eval, args=(SPIN_2S, 0))
+            blocker.start()
+            time.sleep(0.3)
+            try:
+                with pytest.raises(redis.TimeoutError):
+                    cf.delete("a")  # queued behind the script, which holds Redis for 2 s
+            finally:
+                blocker.join()
+            assert cf.count("a") == 1  # it ran when the script ended, and only once
+        finally:
+            client.close()
+            busy.close()
+            server.stop()

@@ -1,5 +1,6 @@
 """Retries with the same Idempotency-Key change the filter once, also when the first attempt's
-answer never reached the client, and when the process died before storing it."""
+answer never reached the client, when Redis's answer never reached the service, and when the
+process died before storing it."""
 
 from __future__ import annotations
 
@@ -7,15 +8,17 @@ import asyncio
 import json
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from app.idempotency import IN_DOUBT_AFTER_S
-from tests.redis_server import RedisProcess
+from tests.redis_server import SPIN_2S, RedisProcess
 from tests.reliability.conftest import StartApp
 from tests.reliability.service import AUTH, Uvicorn
 
@@ -153,3 +156,54 @@ class TestDiedBeforeAnswerStored:
         assert r.status_code == 409 and "may have changed the filter" in r.json()["detail"]
         info = (await c.get("/filters/f")).json()
         assert (info["items"], info["missed_deletes"]) == (1, 0)
+
+
+class TestNoAnswerFromRedis:
+    """Redis runs the delete, but only after the service timed out waiting for it."""
+
+    async def test_retry_is_refused_in_doubt_not_run_twice(
+        self, start_app: StartApp, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        server = RedisProcess.start()  # its own: a busy script blocks every client of a server
+        busy = redis.Redis.from_url(server.url)
+        try:
+            c = (await start_app(redis_url=server.url, redis_timeout=0.5)).client
+            await self._delete_twice_with_one_key(c, busy, monkeypatch)
+        finally:
+            busy.close()
+            server.stop()
+
+    async def _delete_twice_with_one_key(
+        self, c: httpx.AsyncClient, busy: redis.Redis, mp: pytest.MonkeyPatch
+    ) -> None:
+        assert (await c.put("/filters/f", json={"capacity": 100}, headers=AUTH)).status_code == 201
+        body = {"items": ["a", "a", "b"]}  # two copies of "a": each delete removes one
+        assert (await c.post("/filters/f/add", json=body, headers=AUTH)).is_success
+        # Loads the delete script: a first EVALSHA would fail NOSCRIPT behind the busy one.
+        assert (await c.post("/filters/f/delete", json={"items": ["b"]}, headers=AUTH)).is_success
+        from guard import CuckooFilter
+
+        real_delete_many = CuckooFilter.delete_many
+
+        async def delete_behind_a_busy_script(self: CuckooFilter, items: list[str]) -> list[bool]:
+            # A 2-second script holds Redis; the delete queues behind it, the service stops
+            # waiting after 0.5 s, and Redis runs the delete when the script ends.
+            blocker = threading.Thread(target=busy.eval, args=(SPIN_2S, 0))
+            blocker.start()
+            await asyncio.sleep(0.3)
+            try:
+                return await real_delete_many(self, items)
+            finally:
+                await asyncio.to_thread(blocker.join)
+
+        mp.setattr(CuckooFilter, "delete_many", delete_behind_a_busy_script)
+        headers = {**AUTH, "Idempotency-Key": "no-answer-1"}
+        r = await c.post("/filters/f/delete", json={"items": ["a"]}, headers=headers)
+        assert r.status_code == 503 and r.json() == {"detail": "Redis unavailable"}
+        mp.setattr(CuckooFilter, "delete_many", real_delete_many)
+        assert (await c.get("/filters/f")).json()["items"] == 1  # it did run, unanswered
+        r = await c.post("/filters/f/delete", json={"items": ["a"]}, headers=headers)
+        assert r.status_code == 409 and "got no answer from Redis" in r.json()["detail"]
+        # A rerun would have removed the second copy of "a": a false negative.
+        assert (await c.get("/filters/f")).json()["items"] == 1
+        assert (await c.get("/filters/f/items/a")).json() == {"exists": True}
