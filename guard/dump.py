@@ -339,7 +339,7 @@ def _verify(staging: SyncCuckooFilter, header: DumpHeader) -> None:
     lengths = [int(staging.redis.strlen(staging.key(n))) for n in range(len(header.lengths))]
     if lengths != header.lengths:
         raise DumpError(f"restored copy has lengths {lengths}, expected {header.lengths}")
-    # The scripts check magic, layout and every trailer byte (validate_dump checked the tags).
+    # The scripts check magic, layout and every sub-filter's tag, as validate_dump did.
     info = staging.info()
     if info.items != header.items:
         raise DumpError(f"restored copy holds {info.items} items, the dump {header.items}")

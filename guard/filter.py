@@ -15,6 +15,7 @@ from collections.abc import Generator, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
+import numpy as np
 from redis.exceptions import ClusterError, NoScriptError, ResponseError, TryAgainError
 
 from guard import layout as fmt
@@ -26,9 +27,9 @@ from guard.errors import (
     GuardError,
     InvalidParameterError,
 )
-from guard.hashing import item_hash, to_bytes
+from guard.hashing import item_hash, item_hashes, to_bytes
 from guard.layout import Layout
-from guard.reads import ReadPlan, TagMismatch
+from guard.reads import VECTOR_MIN, ReadPlan, TagMismatch
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_PREFIX = "guard:"
@@ -230,12 +231,14 @@ class _FilterOps:
             pending = sorted(retry)
         raise GuardError(f"{self.name}: layout kept changing during {script}")
 
-    def _lookup_op(self, items: Iterable[str | bytes]) -> Op:
-        """Script-free: one read command per sub-filter and chunk (guard/reads.py)."""
-        data = [to_bytes(x) for x in items]
+    def _lookup_op(self, data: list[bytes]) -> Op:
+        """Script-free: one read command per sub-filter and chunk (guard/reads.py).
+
+        ``data`` is already bytes: the public methods (and a sharded filter's routing) convert
+        each item once, before any batching."""
         if not data:
             return []
-        hashes: list[tuple[int, int]] = []
+        hashes: list[tuple[int, int]] | np.ndarray = []
         seed = None
         checked = None  # the layout the info script last vouched for
         for _ in range(MAX_RETRIES):
@@ -245,7 +248,12 @@ class _FilterOps:
                 checked = self._layout
                 continue
             if seed != layout.seed:
-                hashes, seed = [item_hash(d, layout.seed) for d in data], layout.seed
+                seed = layout.seed
+                hashes = (
+                    item_hashes(data, seed)
+                    if len(data) >= VECTOR_MIN
+                    else [item_hash(d, seed) for d in data]
+                )
             plan = ReadPlan(layout, hashes, self.key)
             used = self._read_command
             commands: list[Call | Command] = [Command(used, c.args) for c in plan.commands]
@@ -575,10 +583,10 @@ class SyncCuckooFilter(_FilterOps):
         return self._run(self._insert_op(items, unique))
 
     def lookup(self, item: str | bytes) -> bool:
-        return self._run(self._lookup_op([item]))[0]
+        return self._run(self._lookup_op([to_bytes(item)]))[0]
 
     def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return self._run(self._lookup_op(items))
+        return self._run(self._lookup_op([to_bytes(x) for x in items]))
 
     def count(self, item: str | bytes) -> int:
         return int(self._run(self._batch_op("count", [item]))[0])

@@ -7,7 +7,10 @@ whose width may differ per sub-filter. Both stay below 2**53 so Lua's doubles ho
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mmh3
+import numpy as np
 
 H_BITS = 52
 H_MASK = (1 << H_BITS) - 1
@@ -28,6 +31,19 @@ def item_hash(item: str | bytes, seed: int) -> tuple[int, int]:
     """Return ``(h, g)`` for an item under a filter's seed."""
     x = mmh3.hash128(to_bytes(item), seed, signed=False)
     return x & H_MASK, (x >> 64) & G_MASK
+
+
+def item_hashes(items: Sequence[bytes], seed: int) -> np.ndarray:
+    """``item_hash`` of many items at once: an ``(n, 2)`` int64 array of ``(h, g)`` rows.
+
+    The 16-byte digest is the same 128-bit hash, little-endian, so its first word holds ``h``
+    and its second ``g``; one C call per item and the masking on whole arrays cost a third of
+    ``item_hash``'s Python-level bit operations.
+    """
+    digest = mmh3.mmh3_x64_128_digest
+    words = np.frombuffer(b"".join([digest(x, seed) for x in items]), dtype="<u8")
+    words = words.reshape(-1, 2) & np.array([H_MASK, G_MASK], dtype=np.uint64)
+    return words.astype(np.int64)
 
 
 def fix_g(g: int, f0: int) -> int:

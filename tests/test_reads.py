@@ -26,9 +26,10 @@ def fake_replies(plan: ReadPlan, rng: random.Random) -> list[list[int]]:
     """Random bucket contents with every third item's fingerprint planted in one of its slots."""
     replies = []
     for cmd in plan.commands:
-        reads = plan.reads[cmd.subfilter]
+        sub = plan.subfilters[cmd.subfilter]
+        reads = sub.reads
         f, width = reads.fp_bits, len(reads.parts)
-        reply = [plan.tags[cmd.subfilter]]
+        reply = [sub.tag]
         for at in range(4, len(cmd.args), 3):
             reply.append(rng.getrandbits(bits_of(str(cmd.args[at + 1]))))
         fps = cmd.fps or [int(x) for x in plan._fps[cmd.subfilter][cmd.items]]
@@ -50,7 +51,7 @@ def decoded_answer(plan: ReadPlan, replies: list[list[int]]) -> list[bool]:
     """Slot by slot, without either planner's checking code."""
     found = [False] * plan.count
     for cmd, reply in zip(plan.commands, replies, strict=True):
-        reads = plan.reads[cmd.subfilter]
+        reads = plan.subfilters[cmd.subfilter].reads
         f, width = reads.fp_bits, len(reads.parts)
         fps = cmd.fps or [int(x) for x in plan._fps[cmd.subfilter][cmd.items]]
         for q, (k, fp) in enumerate(zip(cmd.items, fps, strict=True)):
@@ -81,15 +82,26 @@ def test_numpy_and_python_plans_agree(layout: Layout, count: int, salt: int) -> 
     if layout.expansion == 0 and layout.subfilters > 1:
         layout = Layout(layout.bucket_size, layout.fp_bits, layout.fp_step, 0, 1,
                         layout.max_kicks, layout.buckets0, layout.seed)  # fmt: skip
-    hashes = [hashing.item_hash(f"{salt}-{i}".encode(), layout.seed) for i in range(count)]
+    items = [f"{salt}-{i}".encode() for i in range(count)]
+    hashes = [hashing.item_hash(x, layout.seed) for x in items]
     scalar = ReadPlan(layout, hashes, lambda n: f"key:{n}", vector=False)
-    vector = ReadPlan(layout, hashes, lambda n: f"key:{n}", vector=True)
+    # As the filter plans a batch: hashed on arrays, then planned with numpy.
+    vector = ReadPlan(
+        layout, hashing.item_hashes(items, layout.seed), lambda n: f"key:{n}", vector=True
+    )
     assert [c.args for c in vector.commands] == [c.args for c in scalar.commands]
     replies = fake_replies(scalar, random.Random(salt))
     expected = decoded_answer(scalar, replies)
     assert scalar.evaluate(replies) == expected
     assert vector.evaluate(replies) == expected
     assert 0 < sum(expected) <= count  # planted fingerprints are found
+
+
+@given(st.lists(st.binary(max_size=40), max_size=30), st.integers(0, 2**32 - 1))
+def test_array_hashing_matches_item_hash(items: list[bytes], seed: int) -> None:
+    rows = hashing.item_hashes(items, seed)
+    assert rows.shape == (len(items), 2)
+    assert [tuple(row) for row in rows.tolist()] == [hashing.item_hash(x, seed) for x in items]
 
 
 def test_batch_size_picks_the_planner() -> None:
