@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.processes import stop_process, wait_healthy
+from app.cli.service import stop_process, wait_healthy
+from tests.keys import cleanup
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,9 +57,7 @@ def server(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> Iter
         stop_process(proc)
         if backend == "redis":
             client = redis.Redis.from_url(redis_url)
-            keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-            if keys:
-                client.delete(*keys)
+            cleanup(client, prefix)
             client.close()
 
 

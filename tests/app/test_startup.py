@@ -151,6 +151,25 @@ class TestOpenAPI:
         ok = op["responses"]["200"]["content"]["application/json"]["schema"]
         assert ok == {"$ref": "#/components/schemas/Exists"}
 
+    async def test_lookup_routes_tried_first_docs_in_order(self, svc: Service) -> None:
+        """app/routing.py: matching order is not documentation order."""
+        from app.routes import dashboard, filters, health, records
+        from app.routing import HOT_PATHS
+
+        tried = [getattr(r, "path", "") for r in create_app(svc.settings).router.routes]
+        hot = [p for p in tried if p in HOT_PATHS]
+        assert tried[: len(hot)] == hot and set(hot) == set(HOT_PATHS)
+        declared = []
+        for router in (health, filters, records, dashboard):
+            for route in router.router.routes:
+                if route.include_in_schema and route.path_format not in declared:
+                    declared.append(route.path_format)
+        spec = (await svc.client.get("/openapi.json")).json()
+        assert list(spec["paths"]) == declared
+        # Routes of one path kept their order: a wrong method still gets the same 405.
+        r = await svc.client.patch("/filters/records/items/x")
+        assert r.status_code == 405 and r.headers["allow"] == "PUT"
+
 
 class TestMetrics:
     """Prometheus text, on a registry of the app's own."""
