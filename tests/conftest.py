@@ -17,6 +17,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from guard.packing import use_hiredis_packing
+from tests.keys import acleanup, cleanup
 from tests.redis_server import real_redis as real_redis_server
 
 BACKENDS = ["redis", "fakeredis"]
@@ -32,12 +34,6 @@ def real_redis_url() -> Iterator[str]:
 @pytest.fixture
 def prefix() -> str:
     return f"test:{uuid.uuid4().hex[:12]}:"
-
-
-def _cleanup(client: redis.Redis, prefix: str) -> None:
-    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-    if keys:
-        client.delete(*keys)
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +53,7 @@ def sync_redis(
     try:
         yield client
     finally:
-        _cleanup(client, prefix)
+        cleanup(client, prefix)
         client.close()
 
 
@@ -66,16 +62,16 @@ async def async_redis(
     request: pytest.FixtureRequest, prefix: str, fake_server: fakeredis.FakeServer
 ) -> AsyncIterator[aioredis.Redis]:
     if request.param == "redis":
-        client = aioredis.Redis.from_url(request.getfixturevalue("real_redis_url"))
+        # As the service opens it: commands packed by hiredis (tests/test_packing.py).
+        url = request.getfixturevalue("real_redis_url")
+        client = use_hiredis_packing(aioredis.Redis.from_url(url))
         _real_redis_tests["count"] += 1
     else:
         client = fakeredis.FakeAsyncRedis(server=fake_server)
     try:
         yield client
     finally:
-        keys = [k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]
-        if keys:
-            await client.delete(*keys)
+        await acleanup(client, prefix)
         await client.aclose()
 
 
@@ -87,7 +83,7 @@ def real_redis(real_redis_url: str, prefix: str) -> Iterator[redis.Redis]:
     try:
         yield client
     finally:
-        _cleanup(client, prefix)
+        cleanup(client, prefix)
         client.close()
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -67,27 +68,48 @@ class _Server:
         cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port)]
         cmd += ["--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("the demo service did not start (see its log above)")
-            time.sleep(0.1)
+        try:
+            wait_healthy(self.proc, self.url, timeout, interval=0.1)
+        except RuntimeError:
+            self.close()
+            raise RuntimeError("the demo service did not start (see its log above)") from None
 
     def close(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()  # uvicorn shuts down cleanly: the embedded Redis stops too
+        if self.proc is not None:
+            # uvicorn shuts down cleanly: the embedded Redis stops too
+            stop_process(self.proc, grace=30)
+
+
+def wait_healthy(
+    proc: subprocess.Popen[bytes],
+    url: str,
+    timeout: float = 30.0,
+    why: Callable[[], str] = lambda: "",
+    interval: float = 0.05,
+) -> None:
+    """Return once ``url``/health answers 200; raise RuntimeError (with ``why()``) if the
+    process exits or the deadline passes first."""
+    deadline = time.monotonic() + timeout
+    while True:
         try:
-            self.proc.wait(timeout=30)
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"service at {url} did not start: {why()}")
+        time.sleep(interval)
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after ``grace`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            proc.kill()
+            proc.wait()
 
 
 def _env_of(cfg: Settings) -> dict[str, str]:

@@ -24,6 +24,7 @@ from app.db import SQLiteDatabase
 from app.main import create_app
 from app.records import RecordStore
 from app.settings import Settings
+from tests.keys import cleanup
 from tests.redis_server import real_redis
 
 BACKENDS = ["redis", "fakeredis"]
@@ -89,9 +90,7 @@ def make_settings(
     yield make
     if backend == "redis":
         client = redis.Redis.from_url(url)
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
+        cleanup(client, prefix)
         client.close()
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from tests.keys import cleanup
 from tests.redis_server import real_redis
 
 
@@ -27,9 +28,7 @@ def cli_env(cli_redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[dic
         monkeypatch.setenv(k, v)
     yield env
     client = redis.Redis.from_url(cli_redis_url)
-    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-    if keys:
-        client.delete(*keys)
+    cleanup(client, prefix)
     client.close()
 
 

@@ -14,6 +14,7 @@ import redis
 
 from guard import SyncCuckooFilter
 from guard.dump import DumpError, export_filter, import_filter, validate_dump
+from tests.keys import cleanup
 
 
 @pytest.fixture(params=["redis", "fakeredis"])
@@ -30,9 +31,7 @@ def client(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
 def prefix(client: redis.Redis) -> Iterator[str]:
     p = f"test:dump:{uuid.uuid4().hex[:12]}:"
     yield p
-    keys = list(client.scan_iter(match=f"{p}*", count=1000))
-    if keys:
-        client.delete(*keys)
+    cleanup(client, p)
 
 
 def make(client: redis.Redis, prefix: str, name: str, n: int) -> SyncCuckooFilter:

@@ -6,7 +6,6 @@ into this folder run unchanged against ``RedisCluster`` clients.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -15,6 +14,7 @@ from redis.cluster import RedisCluster
 
 from guard.connect import connect, connect_async
 from tests.cluster.server import LocalCluster
+from tests.keys import acleanup, cleanup
 
 
 @pytest.fixture(scope="session")
@@ -24,17 +24,6 @@ def cluster() -> Iterator[LocalCluster]:
         yield started
     finally:
         started.stop()
-
-
-@pytest.fixture
-def prefix() -> str:
-    return f"test:{uuid.uuid4().hex[:12]}:"
-
-
-def cleanup(client: RedisCluster, prefix: str) -> None:
-    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-    if keys:
-        client.delete(*keys)  # redis-py splits a multi-key DEL per slot
 
 
 @pytest.fixture
@@ -53,9 +42,7 @@ async def async_redis(cluster: LocalCluster, prefix: str) -> AsyncIterator[aiocl
     try:
         yield client
     finally:
-        keys = [k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]
-        if keys:
-            await client.delete(*keys)
+        await acleanup(client, prefix)
         await client.aclose()
 
 

@@ -14,8 +14,8 @@ from redis.cluster import RedisCluster
 
 from app.main import create_app
 from app.settings import Settings
-from tests.cluster.conftest import cleanup
 from tests.cluster.server import LocalCluster
+from tests.keys import cleanup
 
 AUTH = {"Authorization": "Bearer test-key"}
 

@@ -21,7 +21,7 @@ from guard import (
 )
 from guard.hashing import item_hash, shard_of
 from guard.sharded import shard_capacity
-from tests.cluster.conftest import cleanup
+from tests.keys import cleanup
 
 
 def items(n: int, tag: str = "k") -> list[str]:
@@ -201,7 +201,7 @@ class TestOnCluster:
 
 
 def test_cleanup_helper_is_shared(sync_redis: RedisCluster, prefix: str) -> None:
-    """The conftest helper deletes keys of many slots at once (redis-py splits the DEL)."""
+    """tests/keys.py deletes keys of many slots at once (redis-py splits the DEL)."""
     for i in range(10):
         sync_redis.set(f"{prefix}{{t{i}}}", 1)
     cleanup(sync_redis, prefix)

@@ -23,6 +23,7 @@ import yaml
 
 from app.cli import cli
 from app.settings import Settings
+from tests.keys import cleanup
 from tests.redis_server import RedisProcess, free_port, reachable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,7 +192,5 @@ def test_compose_commands_run(redis_url: str, tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(timeout=20)
         client = redis.Redis.from_url(redis_url)
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
+        cleanup(client, prefix)
         client.close()

@@ -19,6 +19,7 @@ from asgi_lifespan import LifespanManager
 
 from app.main import create_app
 from app.settings import Settings
+from tests.keys import cleanup
 from tests.reliability.service import API_KEY
 
 
@@ -69,7 +70,5 @@ async def start_app(real_redis_url: str, prefix: str, tmp_path: Path) -> AsyncIt
         async with stack:
             yield run
     finally:
-        keys = list(plain.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            plain.delete(*keys)
+        cleanup(plain, prefix)
         plain.close()

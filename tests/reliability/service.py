@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.processes import stop_process, wait_healthy
+from app.cli.service import stop_process, wait_healthy
 from tests.redis_server import free_port
 
 API_KEY = "reliability-test-key-0123456789"
