@@ -22,6 +22,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
+from guard.packing import use_hiredis_packing
+
 
 def _off(name: str) -> bool:
     return os.environ.get(name, "1").lower() in ("0", "false", "no", "off")
@@ -53,7 +55,9 @@ def baseline() -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state["r"] = aioredis.Redis.from_url(url, socket_timeout=1.0)
+        # Packed by hiredis, as the service's own client is: the same client on both sides.
+        client = aioredis.Redis.from_url(url, socket_timeout=1.0)
+        state["r"] = use_hiredis_packing(client)
         yield
         await state["r"].aclose()
 

@@ -220,3 +220,35 @@ def percentile(values: list[float], q: float) -> float:
 
 def temp_workdir() -> tempfile.TemporaryDirectory[str]:
     return tempfile.TemporaryDirectory(prefix="guard-perf-")
+
+
+def interleaved_latency(
+    ports: tuple[int, int], path_fmt: str, n: int, blocks: int, per_block: int, seed: int = 1
+) -> tuple[list[float], list[float]]:
+    """Seconds per request at one connection to each of two services, taken in turns.
+
+    `blocks` turns of `per_block` sequential keep-alive GETs each, the first service first on
+    even turns and second on odd ones: what drifts on the machine meanwhile (load, CPU clock,
+    what ran just before) falls on both alike, which separate runs a few seconds apart cannot
+    promise for a p99 under a millisecond.
+    """
+    import http.client
+    import random
+
+    rng = random.Random(seed)
+    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for port in ports]
+    out: tuple[list[float], list[float]] = ([], [])
+    try:
+        for block in range(blocks):
+            for side in (0, 1) if block % 2 == 0 else (1, 0):
+                conn = conns[side]
+                for _ in range(per_block):
+                    path = path_fmt % rng.randint(1, n)
+                    t0 = time.perf_counter()
+                    conn.request("GET", path)
+                    conn.getresponse().read()
+                    out[side].append(time.perf_counter() - t0)
+    finally:
+        for conn in conns:
+            conn.close()
+    return out
