@@ -17,12 +17,13 @@ from app.deps import FilterHandles
 from app.errors import BodyLimitMiddleware
 from app.idempotency import Idempotency
 from app.metrics import Metrics, RequestMetricsMiddleware
-from app.records import RebuildInProgress, RecordStore, RedisDown
+from app.records import RebuildInProgress, RecordStore
 from app.redis_conn import open_redis
 from app.routes import dashboard, filters, health, records
 from app.routing import add_routes
 from app.settings import Settings
 from guard.breaker import RedisBreaker
+from guard.errors import RedisUnreachable
 from guard.middleware import GuardMiddleware
 
 log = logging.getLogger("app")
@@ -63,7 +64,7 @@ async def _rebuild_once(store: RecordStore) -> bool:
         await store.rebuild()
     except RebuildInProgress:
         log.info("records filter: another process is rebuilding it")
-    except RedisDown as exc:
+    except RedisUnreachable as exc:
         log.warning(
             "records filter rebuild failed (%r); retrying every %.0f s", exc, REBUILD_RETRY_S
         )
@@ -82,7 +83,7 @@ async def _rebuild_until_done(store: RecordStore) -> None:
             return
         except RebuildInProgress:
             return
-        except RedisDown:
+        except RedisUnreachable:
             continue
 
 

@@ -13,19 +13,16 @@ from contextlib import suppress
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import LockError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.db import Database, Hook
 from app.metrics import Metrics
 from app.settings import Settings
 from guard import CuckooFilter, FilterInfo, FilterNotFoundError
 from guard.breaker import RedisBreaker
+from guard.errors import RedisUnreachable
 
 log = logging.getLogger(__name__)
-
-RedisDown = (RedisConnectionError, RedisTimeoutError)
 
 # Cache entries: b"+" + the row's JSON text, or b"-" for "no such row" (negative entry).
 _NEGATIVE = b"-"
@@ -114,7 +111,7 @@ class RecordStore:
         if self._cache_usable():
             try:
                 cached = await self.redis.get(cache_key)
-            except RedisDown:
+            except RedisUnreachable:
                 self._cache_failed()
         if cached is not None:
             negative = cached == _NEGATIVE
@@ -129,7 +126,7 @@ class RecordStore:
             return await self.db.get(key)  # Redis gone: nothing to cache into either
         try:
             version = await self.redis.get(version_key)
-        except RedisDown:
+        except RedisUnreachable:
             self._cache_failed()
             return await self.db.get(key)
         raw = await self.db.get(key)
@@ -146,7 +143,7 @@ class RecordStore:
             await self._set_if_unchanged(
                 keys=[version_key, cache_key], args=[version or b"", max(1, int(ttl * 1000)), entry]
             )
-        except RedisDown:
+        except RedisUnreachable:
             self._cache_failed()
         return raw
 
@@ -241,7 +238,7 @@ class RecordStore:
         # the entry will expire on its own.
         try:
             await self._invalidate(key)
-        except RedisDown:
+        except RedisUnreachable:
             self.metrics.redis_error("cache")
             log.warning("could not invalidate cache for %r after write", key)
 
@@ -263,7 +260,7 @@ class RecordStore:
         finally:
             try:
                 await lock.release()
-            except (LockError, *RedisDown):
+            except (LockError, *RedisUnreachable):
                 pass
         return await self.filter.info()
 

@@ -11,8 +11,8 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
 
 from app.deps import DbDep, FiltersDep, MetricsDep, RedisDep, SettingsDep
-from app.records import RedisDown
 from guard import FilterNotFoundError, GuardError, list_filters
+from guard.errors import RedisUnreachable
 
 router = APIRouter(tags=["dashboard"])
 
@@ -89,7 +89,7 @@ async def dashboard_data(
                 continue
             found.append(info.as_dict())
         infos = found
-    except (*RedisDown, GuardError):
+    except (*RedisUnreachable, GuardError):
         metrics.redis_error("dashboard")
         infos = None
     return {

@@ -11,8 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from app.deps import DbDep, FiltersDep, MetricsDep, RedisDep, SettingsDep
-from app.records import RedisDown
 from guard import FilterCorruptError, FilterNotFoundError, GuardError, list_filters
+from guard.errors import RedisUnreachable
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["operations"])
@@ -45,7 +45,7 @@ async def health(redis: RedisDep, metrics: MetricsDep, settings: SettingsDep) ->
     """200 when Redis answers a PING, else 503."""
     try:
         await redis.ping()
-    except RedisDown:
+    except RedisUnreachable:
         metrics.redis_error("health")
         return JSONResponse(
             {"status": "unavailable", "redis": "unreachable"},
@@ -74,7 +74,7 @@ async def metrics_route(
                 # One damaged filter must not blank every other filter's gauges.
                 damaged.append(name)
         metrics.set_filters(infos, damaged)
-    except (*RedisDown, GuardError) as exc:
+    except (*RedisUnreachable, GuardError) as exc:
         metrics.redis_error("metrics")
         log.debug("metrics: filter gauges skipped: %r", exc)
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
