@@ -16,8 +16,9 @@ from app.metrics import Metrics
 from app.records import RecordStore
 from app.settings import Settings
 from guard import CuckooFilter
+from guard.filter import NAME_PATTERN as FILTER_NAME
 
-NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
+NAME_PATTERN = FILTER_NAME.pattern  # the library's own rule, so the 422 and the library agree
 
 
 def app_settings(request: Request) -> Settings:

@@ -12,8 +12,12 @@ from guard.filter import (
     CuckooFilter,
     FilterInfo,
     SyncCuckooFilter,
+)
+from guard.listing import (
     list_filters,
     list_filters_sync,
+    list_sharded_filters,
+    list_sharded_filters_sync,
 )
 from guard.packing import use_hiredis_packing
 from guard.sharded import ShardedCuckooFilter, ShardedFilterInfo, SyncShardedCuckooFilter
@@ -33,5 +37,7 @@ __all__ = [
     "SyncShardedCuckooFilter",
     "list_filters",
     "list_filters_sync",
+    "list_sharded_filters",
+    "list_sharded_filters_sync",
     "use_hiredis_packing",
 ]

@@ -158,7 +158,7 @@ class _FilterOps:
         _variant: str = "",
         _shard: int | None = None,
     ) -> None:
-        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise InvalidParameterError(
                 f"filter name must match {NAME_PATTERN.pattern} (1-64 characters), got {name!r}"
             )
@@ -646,36 +646,9 @@ def _raise_first_error(replies: list[Any], name: str) -> list[Any]:
     return replies
 
 
-def _name_of(key: bytes | str, prefix: str) -> str | None:
-    text = key.decode() if isinstance(key, bytes) else key
-    inner = text[len(prefix) + 1 : -1]
-    return inner if NAME_PATTERN.match(inner) else None
-
-
-def _match_pattern(prefix: str) -> str:
-    # Escape glob characters a prefix may hold; the braces are literal to Redis's matcher.
-    escaped = re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
-    return f"{escaped}{{*}}"
-
-
-async def list_filters(redis: Any, prefix: str = DEFAULT_PREFIX) -> list[str]:
-    """Names of the filters under ``prefix`` (a SCAN: fine for tens of thousands of keys)."""
-    names = {
-        _name_of(k, prefix) async for k in redis.scan_iter(match=_match_pattern(prefix), count=1000)
-    }
-    return sorted(n for n in names if n)
-
-
-def list_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> list[str]:
-    names = {_name_of(k, prefix) for k in redis.scan_iter(match=_match_pattern(prefix), count=1000)}
-    return sorted(n for n in names if n)
-
-
 __all__ = [
     "CuckooFilter",
     "FilterInfo",
     "SyncCuckooFilter",
-    "list_filters",
-    "list_filters_sync",
     "plan_layout",
 ]

@@ -86,7 +86,7 @@ class TestReserve:
             cf.reserve(capacity, **params)
         assert not sync_redis.exists(cf.key())
 
-    @pytest.mark.parametrize("name", ["", "a" * 65, "a b", "x{y}", "a:b", "*", "-lead", "é"])
+    @pytest.mark.parametrize("name", ["", "a" * 65, "a b", "x{y}", "a:b", "*", "-lead", "é", "a\n"])
     def test_bad_names_are_refused(self, sync_redis: redis.Redis, name: str) -> None:
         with pytest.raises(InvalidParameterError, match="filter name must match"):
             SyncCuckooFilter(sync_redis, name)

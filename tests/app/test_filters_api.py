@@ -214,7 +214,7 @@ class TestAuth:
 class TestLimits:
     """Bad input is a 4xx naming the field and the limit, never a 500."""
 
-    @pytest.mark.parametrize("name", ["-bad", "a" * 65, "sp ace", "ü", ".dot"])
+    @pytest.mark.parametrize("name", ["-bad", "a" * 65, "sp ace", "ü", ".dot", "a%0A"])
     async def test_bad_filter_name(self, svc: Service, name: str) -> None:
         r = await svc.client.put(f"/filters/{name}", json={"capacity": 10}, headers=AUTH)
         assert r.status_code == 422

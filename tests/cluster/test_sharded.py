@@ -17,7 +17,11 @@ from guard import (
     FilterNotFoundError,
     InvalidParameterError,
     ShardedCuckooFilter,
+    SyncCuckooFilter,
     SyncShardedCuckooFilter,
+    list_filters_sync,
+    list_sharded_filters,
+    list_sharded_filters_sync,
 )
 from guard.hashing import item_hash, shard_of
 from guard.sharded import shard_capacity
@@ -152,6 +156,23 @@ class TestShardedFilter:
         assert (info.items, info.expansion, info.subfilters) == (1000, 0, 1)
         assert live.expansion == 2
 
+    def test_listed_with_their_shard_counts(self, client: object, prefix: str) -> None:
+        """Shards of every node are found; sub-filters, staging copies and plain filters are
+        not sharded filters."""
+        grown = SyncShardedCuckooFilter(client, "grown", prefix=prefix, shards=12)
+        grown.reserve(120, expansion=2)
+        grown.insert_many(items(2000))  # every shard now has sub-filter keys (…}:1, …}:2)
+        assert all(shard.subfilters > 1 for shard in grown.info().per_shard)
+        SyncShardedCuckooFilter(client, "records", prefix=prefix, shards=3).reserve(100)
+        SyncShardedCuckooFilter(client, "records", prefix=prefix, shards=3).staging().reserve(10)
+        SyncCuckooFilter(client, "plain", prefix=prefix).reserve(100)
+        SyncShardedCuckooFilter(client, "staged", prefix=prefix, shards=2).staging().reserve(10)
+        listed = list_sharded_filters_sync(client, prefix)
+        assert listed == {"grown": 12, "records": 3}
+        assert list_filters_sync(client, prefix) == ["plain"]
+        for name, shards in listed.items():  # the count opens each filter as it was made
+            SyncShardedCuckooFilter(client, name, prefix=prefix, shards=shards).info()
+
     def test_bad_shard_counts(self, client: object) -> None:
         for bad in (0, -1, 5000, True, "3"):
             with pytest.raises(InvalidParameterError, match="shards must be"):
@@ -197,7 +218,9 @@ class TestOnCluster:
         await stage.insert("fresh")
         assert await stage.promote()
         assert await sf.lookup("fresh")
+        assert await list_sharded_filters(async_redis, prefix) == {"records": 3}
         assert await sf.drop()
+        assert await list_sharded_filters(async_redis, prefix) == {}
 
 
 def test_cleanup_helper_is_shared(sync_redis: RedisCluster, prefix: str) -> None:

@@ -1,0 +1,81 @@
+"""Which filters exist under a key prefix: one SCAN, no filter is opened.
+
+A filter's first key is ``PREFIX{NAME}``; shard ``i`` of a sharded filter is ``PREFIX{NAME:i}``
+(guard/sharded.py). Sub-filter keys (``…}:n``) and staging copies (``…}:staging``) end after
+the brace, so the match pattern skips them without reading a byte of any filter.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from guard.filter import DEFAULT_PREFIX, NAME_PATTERN
+
+
+def _match_pattern(prefix: str) -> str:
+    # Escape glob characters a prefix may hold; the braces are literal to Redis's matcher.
+    escaped = re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
+    return f"{escaped}{{*}}"
+
+
+def _tag_of(key: bytes | str, prefix: str) -> str:
+    text = key.decode() if isinstance(key, bytes) else key
+    return text[len(prefix) + 1 : -1]
+
+
+def _names(tags: Iterable[str]) -> list[str]:
+    # User names cannot hold ':', so a shard's tag is never taken for a filter's name.
+    return sorted({tag for tag in tags if NAME_PATTERN.fullmatch(tag)})
+
+
+def _shard_counts(tags: Iterable[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for tag in tags:
+        name, colon, index = tag.rpartition(":")
+        if colon and NAME_PATTERN.fullmatch(name) and index.isascii() and index.isdigit():
+            counts[name] = max(counts.get(name, 0), int(index) + 1)
+    return dict(sorted(counts.items()))
+
+
+async def _tags(redis: Any, prefix: str) -> list[str]:
+    pattern = _match_pattern(prefix)
+    return [_tag_of(k, prefix) async for k in redis.scan_iter(match=pattern, count=1000)]
+
+
+def _tags_sync(redis: Any, prefix: str) -> list[str]:
+    pattern = _match_pattern(prefix)
+    return [_tag_of(k, prefix) for k in redis.scan_iter(match=pattern, count=1000)]
+
+
+async def list_filters(redis: Any, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Names of the (unsharded) filters under ``prefix`` (a SCAN: fine for tens of thousands
+    of keys)."""
+    return _names(await _tags(redis, prefix))
+
+
+def list_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    return _names(_tags_sync(redis, prefix))
+
+
+async def list_sharded_filters(redis: Any, prefix: str = DEFAULT_PREFIX) -> dict[str, int]:
+    """Sharded filters under ``prefix``: name → shard count, to open each one with
+    ``ShardedCuckooFilter(redis, name, prefix, shards=count)``.
+
+    The count is the highest shard index found plus one. A filter that lost its last shard
+    shows one shard fewer; opening it then fails with the count its headers record.
+    """
+    return _shard_counts(await _tags(redis, prefix))
+
+
+def list_sharded_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> dict[str, int]:
+    return _shard_counts(_tags_sync(redis, prefix))
+
+
+__all__ = [
+    "list_filters",
+    "list_filters_sync",
+    "list_sharded_filters",
+    "list_sharded_filters_sync",
+]
