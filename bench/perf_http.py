@@ -8,8 +8,10 @@ it was legitimate, so it uses the async HTTP/1.1 keep-alive client below (uvloop
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -232,9 +234,6 @@ def interleaved_latency(
     what ran just before) falls on both alike, which separate runs a few seconds apart cannot
     promise for a p99 under a millisecond.
     """
-    import http.client
-    import random
-
     rng = random.Random(seed)
     conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for port in ports]
     out: tuple[list[float], list[float]] = ([], [])

@@ -27,9 +27,9 @@ from guard.errors import (
     GuardError,
     InvalidParameterError,
 )
-from guard.hashing import item_hash, item_hashes, to_bytes
+from guard.hashing import item_hash, to_bytes
 from guard.layout import Layout
-from guard.reads import VECTOR_MIN, ReadPlan, TagMismatch
+from guard.reads import ReadPlan, TagMismatch, plan_hashes
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_PREFIX = "guard:"
@@ -249,11 +249,7 @@ class _FilterOps:
                 continue
             if seed != layout.seed:
                 seed = layout.seed
-                hashes = (
-                    item_hashes(data, seed)
-                    if len(data) >= VECTOR_MIN
-                    else [item_hash(d, seed) for d in data]
-                )
+                hashes = plan_hashes(data, seed)
             plan = ReadPlan(layout, hashes, self.key)
             used = self._read_command
             commands: list[Call | Command] = [Command(used, c.args) for c in plan.commands]

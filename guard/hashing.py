@@ -8,9 +8,14 @@ whose width may differ per sub-filter. Both stay below 2**53 so Lua's doubles ho
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import mmh3
 import numpy as np
+
+# mix() and fingerprint() are plain integer arithmetic, so the batch read plans
+# (guard/reads.py) run the very same functions on int64 arrays.
+Ints = TypeVar("Ints", int, np.ndarray)
 
 H_BITS = 52
 H_MASK = (1 << H_BITS) - 1
@@ -57,12 +62,13 @@ def fix_g(g: int, f0: int) -> int:
     return g
 
 
-def fingerprint(g_fixed: int, f: int) -> int:
+def fingerprint(g_fixed: Ints, f: int) -> Ints:
     return g_fixed >> (32 - f)
 
 
-def mix(p: int) -> int:
-    """A non-linear hash of a fingerprint prefix, written to be exact in Lua 5.1 doubles."""
+def mix(p: Ints) -> Ints:
+    """A non-linear hash of a fingerprint prefix, written to be exact in Lua 5.1 doubles
+    (and in int64: every product stays below 2**53)."""
     x = p % P31
     x = (x * 1103515 + 12345) % P31
     x = (x * (x % 65521 + 1)) % P31

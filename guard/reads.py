@@ -111,6 +111,14 @@ class _Command:
     args: list[object]
 
 
+def plan_hashes(data: Sequence[bytes], seed: int) -> list[tuple[int, int]] | np.ndarray:
+    """The items' hashes in the form ReadPlan plans them in: an array for a batch it plans
+    with numpy, tuples for a small one (hashing.item_hash(es))."""
+    if len(data) >= VECTOR_MIN:
+        return hashing.item_hashes(data, seed)
+    return [hashing.item_hash(d, seed) for d in data]
+
+
 class _Subfilter(NamedTuple):
     """What reading one sub-filter takes, derived from the layout alone."""
 
@@ -118,7 +126,6 @@ class _Subfilter(NamedTuple):
     tag: int  # the tag as BITFIELD's i64 read answers it
     tag_read: tuple[str, str, int]
     buckets: int
-    fp_bits: int
     per_command: int  # items per read command
 
 
@@ -134,7 +141,6 @@ def _per_subfilter(layout: Layout) -> tuple[_Subfilter, ...]:
                 int.from_bytes(layout.tag(n), "big", signed=True),
                 ("GET", "i64", (layout.string_bytes(n) - fmt.TAG_BYTES) * 8),
                 layout.buckets(n),
-                layout.fp_bits_at(n),
                 max(1, (MAX_GETS - 1) // (2 * len(reads.parts))),
             )
         )
@@ -169,7 +175,7 @@ class ReadPlan:
             g = hashing.fix_g(g, f0)
             items.append((h, g, hashing.mix(hashing.fingerprint(g, f0))))
         for n, sub in enumerate(self.subfilters):
-            m, f, gets = sub.buckets, sub.fp_bits, sub.reads.gets
+            m, f, gets = sub.buckets, sub.reads.fp_bits, sub.reads.gets
             for start in range(0, max(1, self.count), sub.per_command):
                 stop = min(self.count, start + sub.per_command)
                 args: list[object] = [key(n), *sub.tag_read]
@@ -186,15 +192,12 @@ class ReadPlan:
         b, f0 = self.layout.bucket_size, self.layout.fp_bits
         h, g = hg[:, 0], hg[:, 1]
         g = np.where(g >> (32 - f0) == 0, g + (1 << (32 - f0)), g)  # hashing.fix_g
-        x = (g >> (32 - f0)) % hashing.P31  # hashing.mix of the f0-bit prefix
-        x = (x * 1103515 + 12345) % hashing.P31
-        x = (x * (x % 65521 + 1)) % hashing.P31
-        x = (x * 1664525 + 1013904223) % hashing.P31
+        mixed = hashing.mix(hashing.fingerprint(g, f0))
         for n, sub in enumerate(self.subfilters):
-            m, f, reads = sub.buckets, sub.fp_bits, sub.reads
+            m, f, reads = sub.buckets, sub.reads.fp_bits, sub.reads
             i1 = h % m
-            i2 = (x - i1) % m  # hashing.alt_bucket
-            self._fps.append(g >> (32 - f))
+            i2 = (mixed - i1) % m  # hashing.alt_bucket
+            self._fps.append(hashing.fingerprint(g, f))
             # Per item, both buckets' reads in order, each as (GET, type, bit offset): a
             # repeated template whose every third entry is overwritten by the offsets.
             parts = len(reads.parts)
