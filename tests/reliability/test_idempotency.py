@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from app.idempotency import IN_DOUBT_AFTER_S
+from guard import CuckooFilter
 from tests.redis_server import SPIN_2S, RedisProcess
 from tests.reliability.conftest import StartApp
 from tests.reliability.service import AUTH, Uvicorn
@@ -129,8 +130,6 @@ class TestDiedBeforeAnswerStored:
         c = svc.client
         assert (await c.put("/filters/f", json={"capacity": 100}, headers=AUTH)).status_code == 201
         assert (await c.post("/filters/f/add", json={"items": ["a", "b"]}, headers=AUTH)).is_success
-        from guard import CuckooFilter
-
         real_delete_many = CuckooFilter.delete_many
 
         async def delete_then_die(self: CuckooFilter, items: list[str]) -> list[bool]:
@@ -181,8 +180,6 @@ class TestNoAnswerFromRedis:
         assert (await c.post("/filters/f/add", json=body, headers=AUTH)).is_success
         # Loads the delete script: a first EVALSHA would fail NOSCRIPT behind the busy one.
         assert (await c.post("/filters/f/delete", json={"items": ["b"]}, headers=AUTH)).is_success
-        from guard import CuckooFilter
-
         real_delete_many = CuckooFilter.delete_many
 
         async def delete_behind_a_busy_script(self: CuckooFilter, items: list[str]) -> list[bool]:
