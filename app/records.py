@@ -8,7 +8,7 @@ import logging
 import math
 import random
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from contextlib import suppress
 from typing import Any
 
@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # Cache entries: b"+" + the row's JSON text, or b"-" for "no such row" (negative entry).
 _NEGATIVE = b"-"
 _VERSION_TTL_MS = 3_600_000  # far longer than any read that could still be in flight
+_UNKNOWN = b"?"  # the version when Redis could not be asked (never a counter's value)
 
 # KEYS[1] the key's version counter, KEYS[2] its cache entry
 # ARGV[1] version read before the database query ("" when there was none)
@@ -48,9 +49,9 @@ class SingleFlight:
     """Concurrent calls for one key share one execution (and its result or error)."""
 
     def __init__(self) -> None:
-        self._calls: dict[str, asyncio.Task[Any]] = {}
+        self._calls: dict[Hashable, asyncio.Task[Any]] = {}
 
-    async def do(self, key: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+    async def do(self, key: Hashable, fn: Callable[[], Awaitable[Any]]) -> Any:
         task = self._calls.get(key)
         if task is None:
             # A task of its own: a caller that disconnects must not cancel the others' load.
@@ -59,8 +60,14 @@ class SingleFlight:
             task.add_done_callback(lambda t: self._finished(key, t))
         return await asyncio.shield(task)
 
-    def _finished(self, key: str, task: asyncio.Task[Any]) -> None:
+    def forget(self, key: Hashable) -> None:
+        """Later calls for `key` start a new execution; the running one still answers its
+        callers."""
         self._calls.pop(key, None)
+
+    def _finished(self, key: Hashable, task: asyncio.Task[Any]) -> None:
+        if self._calls.get(key) is task:  # not a newer execution started after forget()
+            del self._calls[key]
         if not task.cancelled():
             task.exception()  # mark it retrieved even if every waiter went away
 
@@ -106,30 +113,29 @@ class RecordStore:
 
     async def get(self, key: str, *, suspect: bool = False) -> tuple[bool, Any]:
         """(found, value). `suspect`: the filter said "maybe", so a miss is a false positive."""
-        _, cache_key = self._keys(key)
+        version_key, cache_key = self._keys(key)
+        version: bytes | str | None = _UNKNOWN
         cached = None
         if self._cache_usable():
             try:
-                cached = await self.redis.get(cache_key)
+                version, cached = await self.redis.mget(version_key, cache_key)
             except RedisUnreachable:
                 self._cache_failed()
         if cached is not None:
             negative = cached == _NEGATIVE
             self.metrics.cache_hit(negative)
             return (False, None) if negative else (True, json.loads(cached[1:]))
-        raw = await self._flight.do(key, lambda: self._load(key, suspect))
+        # Keyed by the version too: a load that started before a write acknowledged to this
+        # caller read an older version (and maybe the older row), so it is not joined.
+        raw = await self._flight.do((key, version), lambda: self._load(key, version, suspect))
         return (False, None) if raw is None else (True, json.loads(raw))
 
-    async def _load(self, key: str, suspect: bool) -> str | None:
+    async def _load(self, key: str, version: bytes | str | None, suspect: bool) -> str | None:
+        """The row, cached unless `version` (read before the query) changed since."""
         version_key, cache_key = self._keys(key)
-        if not self._cache_usable():
-            return await self.db.get(key)  # Redis gone: nothing to cache into either
-        try:
-            version = await self.redis.get(version_key)
-        except RedisUnreachable:
-            self._cache_failed()
-            return await self.db.get(key)
         raw = await self.db.get(key)
+        if version == _UNKNOWN:
+            return raw  # Redis gone: nothing to cache into either
         if raw is None:
             if suspect:
                 self.metrics.decision("false_positive")
@@ -200,6 +206,8 @@ class RecordStore:
             if applied:
                 await self._undo(key, add=add)
             raise
+        # A load started without Redis (version unknown) may predate this write.
+        self._flight.forget((key, _UNKNOWN))
         await self._invalidate_after_write(key)
         return changed
 
