@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from fastapi.responses import JSONResponse
 
 from app.errors import BadInput, Conflict, error_response
+from app.redis_conn import FlushSafeScript
 from guard.errors import RedisUnreachable
 
 HEADER = "Idempotency-Key"
@@ -51,7 +52,7 @@ class Idempotency:
         self.prefix = prefix
         self.ttl_ms = ttl_s * 1000
         self.wait_s = wait_s
-        self._release = redis.register_script(_RELEASE)
+        self._release = FlushSafeScript(redis, _RELEASE)
 
     def _key(self, filter_name: str, idem_key: str) -> str:
         # Under the filter's hash tag, so in a cluster it lives in the filter's slot.

@@ -17,6 +17,7 @@ from redis.exceptions import LockError
 
 from app.db import Database, Hook
 from app.metrics import Metrics
+from app.redis_conn import FlushSafeLock, FlushSafeScript
 from app.settings import Settings
 from guard import CuckooFilter, FilterInfo, FilterNotFoundError
 from guard.breaker import RedisBreaker
@@ -99,7 +100,7 @@ class RecordStore:
         self._journal = f"{prefix}app:rebuild:{tag}:deletes"
         self._rebuild_lock = f"{prefix}app:rebuild:{tag}:lock"
         self._cache_prefix = f"{prefix}app:cache:"
-        self._set_if_unchanged = redis.register_script(_SET_IF_UNCHANGED)
+        self._set_if_unchanged = FlushSafeScript(redis, _SET_IF_UNCHANGED)
         self._flight = SingleFlight()
         # Shared with the guard middleware: a failed guard lookup spares the cache read.
         self.breaker = breaker if breaker is not None else RedisBreaker(settings.redis_cooldown)
@@ -257,7 +258,9 @@ class RecordStore:
 
         Readers use the old filter until the swap, so no present key ever reads as absent.
         """
-        lock = self.redis.lock(self._rebuild_lock, timeout=600, blocking=False)
+        lock = self.redis.lock(
+            self._rebuild_lock, timeout=600, blocking=False, lock_class=FlushSafeLock
+        )
         if not await lock.acquire(token=uuid.uuid4().hex):
             raise RebuildInProgress(f"a rebuild of {self.filter.name!r} is already running")
         try:

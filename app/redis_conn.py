@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.lock import Lock
+from redis.exceptions import NoScriptError
 
 from app.settings import Settings
 from guard.connect import connect_async, is_cluster_url
@@ -28,6 +30,43 @@ def _client_options(settings: Settings) -> dict[str, Any]:
         "socket_connect_timeout": settings.redis_timeout,
         "decode_responses": False,
     }
+
+
+class FlushSafeScript:
+    """A registered script that a SCRIPT FLUSH at any moment cannot fail.
+
+    redis-py's Script reloads on NOSCRIPT and retries once; a second flush between the reload
+    and the retry still failed the call (a 500 under a flushing loop). Then the script is
+    sent as EVAL, which cannot miss, as the library does for its own scripts.
+    """
+
+    def __init__(self, client: Any, source: str) -> None:
+        self._script = client.register_script(source)
+
+    async def __call__(
+        self, keys: Sequence[Any] = (), args: Sequence[Any] = (), client: Any = None
+    ) -> Any:
+        try:
+            return await self._script(keys=keys, args=args, client=client)
+        except NoScriptError:
+            target = client if client is not None else self._script.registered_client
+            return await target.eval(self._script.script, len(keys), *keys, *args)
+
+
+class FlushSafeLock(Lock):
+    """redis-py's asyncio lock, its release / extend / reacquire scripts flush-safe."""
+
+    # Its own class attributes: Lock's are registered plain, by whichever client came first.
+    lua_release: Any = None
+    lua_extend: Any = None
+    lua_reacquire: Any = None
+
+    def register_scripts(self) -> None:
+        cls = type(self)
+        if cls.lua_release is None:
+            cls.lua_release = FlushSafeScript(self.redis, cls.LUA_RELEASE_SCRIPT)
+            cls.lua_extend = FlushSafeScript(self.redis, cls.LUA_EXTEND_SCRIPT)
+            cls.lua_reacquire = FlushSafeScript(self.redis, cls.LUA_REACQUIRE_SCRIPT)
 
 
 def _start_embedded(path: Path) -> Any:
