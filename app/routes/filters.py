@@ -27,7 +27,8 @@ from app.deps import (
 from app.errors import BadInput, Conflict
 from app.idempotency import HEADER, fingerprint
 from app.records import RebuildInProgress
-from guard import FilterInfo, FilterNotFoundError, list_filters
+from guard import FilterInfo, FilterNotFoundError
+from guard.listing import read_filters
 
 router = APIRouter(prefix="/filters", tags=["filters"])
 
@@ -39,6 +40,9 @@ IdemKey = Annotated[
 
 class FilterList(BaseModel):
     filters: list[FilterInfo]
+    damaged: list[str] = Field(
+        description="Filters whose data in Redis is damaged (drop or rebuild them)"
+    )
 
 
 class ReserveIn(BaseModel):
@@ -91,16 +95,11 @@ def _info(info: Any) -> dict[str, Any]:
     return data
 
 
-@router.get("", response_model=FilterList, responses={**errors.UNAVAILABLE, **errors.DAMAGED})
+@router.get("", response_model=FilterList, responses=errors.UNAVAILABLE)
 async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
-    """Every filter with its info."""
-    infos = []
-    for name in await list_filters(redis, prefix=filters.prefix):
-        try:
-            infos.append(_info(await filters.get(name).info()))
-        except FilterNotFoundError:
-            continue  # dropped since the listing
-    return {"filters": infos}
+    """Every filter with its info; damaged ones by name only."""
+    report = await read_filters(redis, filters.get, filters.prefix)
+    return {"filters": [_info(i) for i in report.infos], "damaged": report.damaged}
 
 
 @router.put(
