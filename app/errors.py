@@ -158,6 +158,7 @@ def install(app: FastAPI, retry_after: int) -> None:
         elif isinstance(exc, FilterCorruptError):
             # Every request on a damaged filter fails the same way until someone repairs it:
             # log the details once per filter and minute, not once per request.
+            request.app.state.metrics.filter_failure("api", "damaged")
             name, now = damaged_filter(exc), time.monotonic()
             if now - damaged_logged.get(name, -DAMAGED_LOG_EVERY_S) >= DAMAGED_LOG_EVERY_S:
                 damaged_logged[name] = now

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI
@@ -155,6 +156,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         breaker=breaker,
         retry_after=cfg.retry_after,
         on_decision=metrics.decision,
+        on_failure=partial(metrics.filter_failure, "guard"),
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, guarded_route="/records/{key}")

@@ -126,6 +126,10 @@ class TestDamagedFilter:
         delete = await c.delete("/records/user-2", headers=AUTH)
         assert_damaged(svc, delete.status_code, delete.text, "records")
         assert (await c.get("/filters/records")).status_code == 500
+        # Counted: every failed lookup of the guard, every damaged answer of the API.
+        metrics = (await c.get("/metrics")).text
+        assert 'guard_filter_failures_total{reason="damaged",where="guard"} 6.0' in metrics
+        assert 'guard_filter_failures_total{reason="damaged",where="api"} 3.0' in metrics
         # A rebuild repairs it, and the guard is back by itself.
         rebuilt = await c.post("/filters/records/rebuild", headers=AUTH)
         assert rebuilt.status_code == 200 and rebuilt.json()["items"] == 50
