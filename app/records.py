@@ -83,8 +83,11 @@ class RecordStore:
         settings: Settings,
         metrics: Metrics,
         breaker: RedisBreaker | None = None,
+        admin: aioredis.Redis | None = None,
     ):
         self.redis = redis
+        # Rebuilds write a whole filter: on the client with the admin timeout.
+        self.admin = admin if admin is not None else redis
         self.db = db
         self.settings = settings
         self.metrics = metrics
@@ -92,7 +95,8 @@ class RecordStore:
         self.filter = CuckooFilter(
             redis, settings.records_filter, prefix=prefix, coalesce=settings.lookup_coalescing
         )
-        self.staging = self.filter.staging()
+        self.staging = CuckooFilter(self.admin, settings.records_filter, prefix=prefix).staging()
+        self._writers_staging = self.filter.staging()
         tag = "{" + settings.records_filter + "}"
         # Set (under the database's write barrier) once the rebuild's snapshot is taken:
         # from then on writers must also apply their change to the staging copy.
@@ -229,7 +233,7 @@ class RecordStore:
             return
         if add:
             with suppress(FilterNotFoundError):  # the rebuild was aborted
-                await self.staging.insert(key)
+                await self._writers_staging.insert(key)
         else:
             # The snapshot's keys may not all be in staging yet, and deleting an item a cuckoo
             # filter never got can remove another item's fingerprint (a false negative), so
@@ -258,7 +262,7 @@ class RecordStore:
 
         Readers use the old filter until the swap, so no present key ever reads as absent.
         """
-        lock = self.redis.lock(
+        lock = self.admin.lock(
             self._rebuild_lock, timeout=600, blocking=False, lock_class=FlushSafeLock
         )
         if not await lock.acquire(token=uuid.uuid4().hex):

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +22,25 @@ log = logging.getLogger(__name__)
 MEMORY_URL = "memory://"
 
 
-def _client_options(settings: Settings) -> dict[str, Any]:
+def _client_options(settings: Settings, socket_timeout: float) -> dict[str, Any]:
     # Short timeouts: a Redis that is really gone fails in milliseconds, so the guard can fail
     # open instead of holding requests. connect_async() retries only a broken connection, once
     # (a timeout retried would double the time a request hangs, and may run a script twice).
     return {
-        "socket_timeout": settings.redis_timeout,
+        "socket_timeout": socket_timeout,
         "socket_connect_timeout": settings.redis_timeout,
         "decode_responses": False,
     }
+
+
+@dataclass
+class RedisClients:
+    """The service's clients of its one Redis: `main` for requests, with short timeouts, and
+    `admin` for operations that write whole filters (GUARD_REDIS_ADMIN_TIMEOUT): a 448 MiB
+    reserve outlasts the short timeout, and a timed-out command may still have run."""
+
+    main: aioredis.Redis
+    admin: aioredis.Redis
 
 
 class FlushSafeScript:
@@ -82,30 +93,39 @@ def _stop_embedded(server: Any) -> None:
 
 
 @asynccontextmanager
-async def open_redis(settings: Settings) -> AsyncIterator[aioredis.Redis]:
-    """Yield a connected client; close it (and stop an embedded server) on exit."""
+async def open_redis(settings: Settings) -> AsyncIterator[RedisClients]:
+    """Yield connected clients; close them (and stop an embedded server) on exit."""
     server = None
     if settings.redis_url == MEMORY_URL:
         import fakeredis
 
-        client: aioredis.Redis = fakeredis.FakeAsyncRedis(decode_responses=False)
+        fake: aioredis.Redis = fakeredis.FakeAsyncRedis(decode_responses=False)
         log.info("redis: in-process fakeredis (data lost on exit)")
-    elif settings.redis_cluster or is_cluster_url(settings.redis_url):
-        client = connect_async(settings.redis_url, cluster=True, **_client_options(settings))
-        log.info("redis: cluster %s", _redact(settings.redis_url))
-    elif settings.redis_url:
-        client = connect_async(settings.redis_url, **_client_options(settings))
-        log.info("redis: %s", _redact(settings.redis_url))
+        clients = RedisClients(fake, fake)  # no sockets, no timeouts
     else:
-        path = Path(settings.embedded_redis_file).resolve()
-        # Starting redis-server blocks for ~0.1 s: keep it off the event loop.
-        server = await asyncio.to_thread(_start_embedded, path)
-        client = connect_async(f"unix://{server.socket_file}", **_client_options(settings))
-        log.info("redis: embedded redis-server, data in %s", path)
+        url, cluster = (
+            settings.redis_url,
+            settings.redis_cluster or is_cluster_url(settings.redis_url),
+        )
+        if not url:
+            path = Path(settings.embedded_redis_file).resolve()
+            # Starting redis-server blocks for ~0.1 s: keep it off the event loop.
+            server = await asyncio.to_thread(_start_embedded, path)
+            url = f"unix://{server.socket_file}"
+            log.info("redis: embedded redis-server, data in %s", path)
+        else:
+            log.info("redis: %s%s", "cluster " if cluster else "", _redact(url))
+        clients = RedisClients(
+            *(
+                connect_async(url, cluster=cluster, **_client_options(settings, timeout))
+                for timeout in (settings.redis_timeout, settings.redis_admin_timeout)
+            )
+        )
     try:
-        yield client
+        yield clients
     finally:
-        await client.aclose()
+        for client in {id(c): c for c in (clients.main, clients.admin)}.values():
+            await client.aclose()
         if server is not None:
             await asyncio.to_thread(_stop_embedded, server)
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app import errors
 from app.deps import (
+    AdminFilterDep,
     Auth,
     FilterDep,
     FilterName,
@@ -107,20 +108,29 @@ async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
     status_code=201,
     response_model=FilterInfo,
     dependencies=[Auth],
-    responses={**errors.UNAUTHORIZED, **errors.CONFLICT, **errors.TOO_LARGE, **errors.COMMON},
+    responses={
+        **errors.UNAUTHORIZED,
+        **errors.CONFLICT,
+        **errors.TOO_LARGE,
+        **errors.COMMON,
+        **errors.IN_DOUBT,
+    },
 )
-async def create(body: ReserveIn, cf: WritableFilterDep, settings: SettingsDep) -> Any:
+async def create(body: ReserveIn, cf: AdminFilterDep, settings: SettingsDep) -> Any:
     """Create a filter. 409 if it exists."""
     if body.capacity > settings.max_capacity:
         raise BadInput(("body", "capacity"), f"must be at most {settings.max_capacity}")
-    info = await cf.reserve(
-        body.capacity,
-        error_rate=body.error_rate,
-        fingerprint_bits=body.fingerprint_bits,
-        bucket_size=body.bucket_size,
-        max_kicks=body.max_kicks,
-        expansion=body.expansion,
-    )
+    async with errors.in_doubt_on_timeout(
+        f"creating filter {cf.name!r}", f"GET /filters/{cf.name} tells (a retry answers 409 if so)"
+    ):
+        info = await cf.reserve(
+            body.capacity,
+            error_rate=body.error_rate,
+            fingerprint_bits=body.fingerprint_bits,
+            bucket_size=body.bucket_size,
+            max_kicks=body.max_kicks,
+            expansion=body.expansion,
+        )
     return _info(info)
 
 
@@ -134,11 +144,21 @@ async def get(cf: FilterDep) -> Any:
     "/{name}",
     status_code=204,
     dependencies=[Auth],
-    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.CONFLICT, **errors.COMMON},
+    responses={
+        **errors.UNAUTHORIZED,
+        **errors.NOT_FOUND,
+        **errors.CONFLICT,
+        **errors.COMMON,
+        **errors.IN_DOUBT,
+    },
 )
-async def drop(cf: WritableFilterDep) -> Response:
+async def drop(cf: AdminFilterDep) -> Response:
     """Delete a filter and everything in it."""
-    if not await cf.drop():
+    async with errors.in_doubt_on_timeout(
+        f"dropping filter {cf.name!r}", f"GET /filters/{cf.name} tells (a retry answers 404 if so)"
+    ):
+        dropped = await cf.drop()
+    if not dropped:
         raise FilterNotFoundError(f"filter {cf.name!r} does not exist")
     return Response(status_code=204)
 
@@ -220,7 +240,13 @@ async def delete_items(
     "/{name}/rebuild",
     response_model=FilterInfo,
     dependencies=[Auth],
-    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.CONFLICT, **errors.COMMON},
+    responses={
+        **errors.UNAUTHORIZED,
+        **errors.NOT_FOUND,
+        **errors.CONFLICT,
+        **errors.COMMON,
+        **errors.IN_DOUBT,
+    },
 )
 async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
     """Rebuild a table-backed filter from its table, swapping it in atomically. 409 for a
@@ -230,7 +256,10 @@ async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
             raise FilterNotFoundError(f"filter {cf.name!r} does not exist")
         raise Conflict(f"filter {cf.name!r} is not backed by a table")
     try:
-        return _info(await records.rebuild())
+        async with errors.in_doubt_on_timeout(
+            f"rebuilding filter {cf.name!r}", "a rebuild is safe to run again"
+        ):
+            return _info(await records.rebuild())
     except RebuildInProgress as exc:
         raise Conflict(str(exc)) from None
 
