@@ -174,6 +174,7 @@ async def drop(cf: AdminFilterDep) -> Response:
         **errors.TOO_LARGE,
         **errors.FULL,
         **errors.COMMON,
+        **errors.IN_DOUBT,
     },
 )
 async def add(
@@ -216,6 +217,7 @@ async def check(body: ItemsIn, cf: FilterDep, settings: SettingsDep) -> Any:
         **errors.CONFLICT,
         **errors.TOO_LARGE,
         **errors.COMMON,
+        **errors.IN_DOUBT,
     },
 )
 async def delete_items(
@@ -276,6 +278,7 @@ async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
         **errors.CONFLICT,
         **errors.FULL,
         **errors.COMMON,
+        **errors.IN_DOUBT,
     },
 )
 async def put_item(
@@ -313,7 +316,13 @@ async def get_item(item: str, name: FilterName, request: Request) -> Any:
     "/{name}/items/{item:path}",
     response_model=Deleted,
     dependencies=[Auth],
-    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.CONFLICT, **errors.COMMON},
+    responses={
+        **errors.UNAUTHORIZED,
+        **errors.NOT_FOUND,
+        **errors.CONFLICT,
+        **errors.COMMON,
+        **errors.IN_DOUBT,
+    },
 )
 async def delete_item(
     item: str,
