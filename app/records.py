@@ -202,7 +202,15 @@ class RecordStore:
 
         async def apply() -> None:
             nonlocal applied
-            await self._filters_apply(key, add=add)
+            try:
+                await self._filters_apply(key, add=add)
+            except RedisUnreachable:
+                # No answer: the change may have happened anyway. A delete that did would
+                # leave the row, once rolled back, without its fingerprint (a false negative),
+                # so it is put back; an insert that did adds a false positive at worst, and
+                # undoing it could remove another key's fingerprint.
+                applied = not add
+                raise
             applied = True
 
         try:
