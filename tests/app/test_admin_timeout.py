@@ -6,25 +6,13 @@ filter (24 MiB) takes Redis longer than the tiny socket timeouts set here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from tests.app.conftest import AUTH, StartService
-from tests.redis_server import RedisProcess
 
 BIG = {"capacity": 10_000_000}
 
 pytestmark = pytest.mark.parametrize("backend", ["redis"])
-
-
-@pytest.fixture
-def private_redis() -> Iterator[str]:
-    server = RedisProcess.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 async def test_create_and_drop_use_the_admin_timeout(

@@ -14,18 +14,8 @@ import pytest
 import redis
 
 from tests.app.conftest import AUTH, Service, StartService
-from tests.redis_server import RedisProcess
 
 ROUNDS = 150
-
-
-@pytest.fixture
-def private_redis() -> Iterator[str]:
-    server = RedisProcess.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.fixture
