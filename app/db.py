@@ -139,10 +139,16 @@ class SQLiteDatabase:
 
     async def get(self, key: str) -> str | None:
         await self._query()
-        conn = self._conn(self._reader)
-        async with conn.execute("SELECT value FROM records WHERE key = ?", (key,)) as cur:
-            row = await cur.fetchone()
-        return None if row is None else str(row[0])
+        # One call on the connection's thread: a statement left open between execute and
+        # close would let the next reader's statement join its read transaction, and under
+        # load an unbroken chain of them kept reading a snapshot from before acknowledged
+        # writes (WAL: a read sees the commits made before its transaction began).
+        rows = list(
+            await self._conn(self._reader).execute_fetchall(
+                "SELECT value FROM records WHERE key = ?", (key,)
+            )
+        )
+        return str(rows[0][0]) if rows else None
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
@@ -174,10 +180,8 @@ class SQLiteDatabase:
 
     async def count(self) -> int:
         await self._query()
-        conn = self._conn(self._reader)
-        async with conn.execute("SELECT COUNT(*) FROM records") as cur:
-            row = await cur.fetchone()
-        return int(row[0]) if row else 0
+        rows = list(await self._conn(self._reader).execute_fetchall("SELECT COUNT(*) FROM records"))
+        return int(rows[0][0]) if rows else 0
 
     async def seed(self, n: int) -> int:
         """Fill an empty table with `n` demo rows `user-1` … `user-n`; return rows added."""

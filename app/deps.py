@@ -138,6 +138,16 @@ async def get_writable_filter(cf: FilterDep, settings: SettingsDep) -> CuckooFil
 WritableFilterDep = Annotated[CuckooFilter, Depends(get_writable_filter)]
 
 
+async def get_admin_filter(cf: WritableFilterDep, request: Request) -> CuckooFilter:
+    """A writable filter on the admin client (GUARD_REDIS_ADMIN_TIMEOUT), for operations that
+    write a whole filter: creating or dropping one."""
+    admin: aioredis.Redis = _lifespan_state(request, "admin_redis")
+    return CuckooFilter(admin, cf.name, cf.prefix)
+
+
+AdminFilterDep = Annotated[CuckooFilter, Depends(get_admin_filter)]
+
+
 async def require_api_key(request: Request, settings: SettingsDep) -> None:
     """Mutating routes: `Authorization: Bearer <GUARD_API_KEY>` when a key is configured."""
     if not settings.auth_enabled:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -49,6 +51,22 @@ class Conflict(Exception):
     """The request clashes with the resource's state: 409."""
 
 
+class InDoubt(Exception):
+    """Redis took a command but did not answer in time, so it may have run: 504, never a
+    "failed" answer (a client retrying a create that happened would believe it lost)."""
+
+
+@asynccontextmanager
+async def in_doubt_on_timeout(what: str, outcome: str) -> AsyncIterator[None]:
+    """Turn a Redis timeout inside the block into InDoubt: "<what>: ... <outcome>"."""
+    try:
+        yield
+    except RedisTimeoutError as exc:
+        raise InDoubt(
+            f"{what}: Redis did not answer in time, so it may have happened; {outcome}"
+        ) from exc
+
+
 # ---- response bodies, for OpenAPI ---------------------------------------------------------
 
 
@@ -85,6 +103,12 @@ TOO_LARGE = _doc(413, ErrorBody, "Request body over GUARD_MAX_BODY_BYTES")
 INVALID = _doc(422, ValidationBody, "Bad input; `loc` names the field, `msg` the limit")
 FULL = _doc(507, FullBody, "Fixed-size filter is full; `results` says which items were added")
 UNAVAILABLE = _doc(503, ErrorBody, "Redis unreachable; retry after `Retry-After` seconds")
+IN_DOUBT = _doc(
+    504,
+    ErrorBody,
+    "Redis did not answer in time: the operation may have taken effect (the message says how"
+    " to check; a retry is safe)",
+)
 DAMAGED = _doc(
     500,
     ErrorBody,
@@ -125,6 +149,8 @@ def error_response(exc: BaseException, retry_after: int = 1) -> JSONResponse | N
         return _invalid(["body", name] if name in RESERVE_FIELDS else ["body"], str(exc))
     if isinstance(exc, FilterNotFoundError):
         return _json(404, {"detail": str(exc)})
+    if isinstance(exc, InDoubt):
+        return _json(504, {"detail": str(exc)})
     if isinstance(exc, FilterExistsError | Conflict):
         return _json(409, {"detail": str(exc)})
     if isinstance(exc, FilterFullError):
@@ -153,11 +179,14 @@ def install(app: FastAPI, retry_after: int) -> None:
         if response is None:  # an unexpected Redis reply: a bug, so a logged 500
             log.error("%s %s: %r", request.method, request.url.path, exc)
             return _json(500, {"detail": "Internal Server Error"})
-        if response.status_code == 503:
+        if response.status_code in (503, 504):
             request.app.state.metrics.redis_error("api")
+            if response.status_code == 504:
+                log.warning("%s %s: %s", request.method, request.url.path, exc)
         elif isinstance(exc, FilterCorruptError):
             # Every request on a damaged filter fails the same way until someone repairs it:
             # log the details once per filter and minute, not once per request.
+            request.app.state.metrics.filter_failure("api", "damaged")
             name, now = damaged_filter(exc), time.monotonic()
             if now - damaged_logged.get(name, -DAMAGED_LOG_EVERY_S) >= DAMAGED_LOG_EVERY_S:
                 damaged_logged[name] = now
@@ -177,6 +206,7 @@ def install(app: FastAPI, retry_after: int) -> None:
     for exc_type in (
         BadInput,
         Conflict,
+        InDoubt,
         GuardError,
         RedisConnectionError,
         RedisTimeoutError,

@@ -15,7 +15,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi.responses import JSONResponse
 
-from app.errors import BadInput, Conflict, error_response
+from app.errors import BadInput, Conflict, InDoubt, error_response, in_doubt_on_timeout
+from app.redis_conn import FlushSafeScript
 from guard.errors import RedisUnreachable
 
 HEADER = "Idempotency-Key"
@@ -51,7 +52,7 @@ class Idempotency:
         self.prefix = prefix
         self.ttl_ms = ttl_s * 1000
         self.wait_s = wait_s
-        self._release = redis.register_script(_RELEASE)
+        self._release = FlushSafeScript(redis, _RELEASE)
 
     def _key(self, filter_name: str, idem_key: str) -> str:
         # Under the filter's hash tag, so in a cluster it lives in the filter's slot.
@@ -65,8 +66,10 @@ class Idempotency:
         request_fp: str,
         op: Callable[[], Awaitable[JSONResponse]],
     ) -> JSONResponse:
+        what = f"changing filter {filter_name!r}"
         if idem_key is None:
-            return await op()
+            async with in_doubt_on_timeout(what, "check the filter before retrying"):
+                return await op()
         if not KEY_PATTERN.match(idem_key):
             raise BadInput(("header", HEADER), "must be 1-255 printable ASCII characters")
         key = self._key(filter_name, idem_key)
@@ -86,11 +89,14 @@ class Idempotency:
                 raise Conflict("a request with this Idempotency-Key is still in progress")
             await asyncio.sleep(_POLL_S)
         try:
-            response = await op()
-        except RedisUnreachable:
-            # Redis took the command but its answer never came, so whether it ran is unknown
-            # (this answers 503): a rerun could delete a second copy of a fingerprint, which
-            # is a false negative. The claim is kept, marked in doubt.
+            async with in_doubt_on_timeout(
+                what, f"check the filter; retries with this {HEADER} answer 409"
+            ):
+                response = await op()
+        except (InDoubt, *RedisUnreachable):
+            # Redis may have taken the command without its answer coming back (a timeout
+            # answers 504, in doubt): a rerun could delete a second copy of a fingerprint,
+            # which is a false negative. The claim is kept, marked in doubt.
             await self._mark_in_doubt(key, request_fp)
             raise
         except Exception as exc:

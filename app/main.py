@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI
@@ -112,19 +113,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if weak:
                 raise RuntimeError(f"GUARD_ENV=production needs a real GUARD_API_KEY: {weak}")
         async with AsyncExitStack() as stack:
-            redis = await stack.enter_async_context(open_redis(cfg))
+            clients = await stack.enter_async_context(open_redis(cfg))
+            redis = clients.main
             db = await open_database(cfg.database_url, cfg.db_latency_ms)
             stack.push_async_callback(db.close)
             seeded = await db.seed(cfg.demo_records)
             if seeded:
                 log.info("seeded %d demo records", seeded)
             metrics.bind_queries(lambda: db.queries)
-            store = RecordStore(redis, db, cfg, metrics, breaker)
+            store = RecordStore(redis, db, cfg, metrics, breaker, clients.admin)
             if cfg.rebuild_on_startup and not await _rebuild_once(store):
                 task = asyncio.create_task(_rebuild_until_done(store))
                 stack.push_async_callback(_cancel, task)
             yield {
                 "redis": redis,
+                "admin_redis": clients.admin,
                 "filters": FilterHandles(
                     redis, cfg.key_prefix, [store.filter], coalesce=cfg.lookup_coalescing
                 ),
@@ -155,6 +158,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         breaker=breaker,
         retry_after=cfg.retry_after,
         on_decision=metrics.decision,
+        on_failure=partial(metrics.filter_failure, "guard"),
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, guarded_route="/records/{key}")

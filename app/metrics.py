@@ -65,6 +65,21 @@ class Metrics:
         self.redis_errors = Counter(
             "guard_redis_errors", "Redis calls that failed", ["where"], registry=r
         )
+        self.filter_failures = Counter(
+            "guard_filter_failures",
+            "Filter calls that failed; where: guard (the middleware's lookups), api (filter "
+            "routes and record writes); reason: unreachable (Redis), damaged (the filter's "
+            "data in Redis), error (anything else)",
+            ["where", "reason"],
+            registry=r,
+        )
+        self.collect_errors = Counter(
+            "guard_collect_errors",
+            "Filter gauges (/metrics) or infos (/dashboard.json) skipped for an error other "
+            "than Redis being unreachable (see the log)",
+            ["where"],
+            registry=r,
+        )
         self.filter_load = Gauge(
             "guard_filter_load_factor", "Filter load factor", ["filter"], registry=r
         )
@@ -123,6 +138,12 @@ class Metrics:
 
     def redis_error(self, where: str) -> None:
         self.redis_errors.labels(where).inc()
+
+    def filter_failure(self, where: str, reason: str) -> None:
+        self.filter_failures.labels(where, reason).inc()
+
+    def collect_error(self, where: str) -> None:
+        self.collect_errors.labels(where).inc()
 
     def set_filters(self, infos: Sequence[Any], damaged: Sequence[str] = ()) -> None:
         # clear() first so a dropped filter stops being reported.

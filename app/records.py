@@ -8,7 +8,7 @@ import logging
 import math
 import random
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from contextlib import suppress
 from typing import Any
 
@@ -17,6 +17,7 @@ from redis.exceptions import LockError
 
 from app.db import Database, Hook
 from app.metrics import Metrics
+from app.redis_conn import FlushSafeLock, FlushSafeScript
 from app.settings import Settings
 from guard import CuckooFilter, FilterInfo, FilterNotFoundError
 from guard.breaker import RedisBreaker
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 # Cache entries: b"+" + the row's JSON text, or b"-" for "no such row" (negative entry).
 _NEGATIVE = b"-"
 _VERSION_TTL_MS = 3_600_000  # far longer than any read that could still be in flight
+_UNKNOWN = b"?"  # the version when Redis could not be asked (never a counter's value)
 
 # KEYS[1] the key's version counter, KEYS[2] its cache entry
 # ARGV[1] version read before the database query ("" when there was none)
@@ -48,9 +50,9 @@ class SingleFlight:
     """Concurrent calls for one key share one execution (and its result or error)."""
 
     def __init__(self) -> None:
-        self._calls: dict[str, asyncio.Task[Any]] = {}
+        self._calls: dict[Hashable, asyncio.Task[Any]] = {}
 
-    async def do(self, key: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+    async def do(self, key: Hashable, fn: Callable[[], Awaitable[Any]]) -> Any:
         task = self._calls.get(key)
         if task is None:
             # A task of its own: a caller that disconnects must not cancel the others' load.
@@ -59,8 +61,14 @@ class SingleFlight:
             task.add_done_callback(lambda t: self._finished(key, t))
         return await asyncio.shield(task)
 
-    def _finished(self, key: str, task: asyncio.Task[Any]) -> None:
+    def forget(self, key: Hashable) -> None:
+        """Later calls for `key` start a new execution; the running one still answers its
+        callers."""
         self._calls.pop(key, None)
+
+    def _finished(self, key: Hashable, task: asyncio.Task[Any]) -> None:
+        if self._calls.get(key) is task:  # not a newer execution started after forget()
+            del self._calls[key]
         if not task.cancelled():
             task.exception()  # mark it retrieved even if every waiter went away
 
@@ -75,8 +83,11 @@ class RecordStore:
         settings: Settings,
         metrics: Metrics,
         breaker: RedisBreaker | None = None,
+        admin: aioredis.Redis | None = None,
     ):
         self.redis = redis
+        # Rebuilds write a whole filter: on the client with the admin timeout.
+        self.admin = admin if admin is not None else redis
         self.db = db
         self.settings = settings
         self.metrics = metrics
@@ -84,7 +95,8 @@ class RecordStore:
         self.filter = CuckooFilter(
             redis, settings.records_filter, prefix=prefix, coalesce=settings.lookup_coalescing
         )
-        self.staging = self.filter.staging()
+        self.staging = CuckooFilter(self.admin, settings.records_filter, prefix=prefix).staging()
+        self._writers_staging = self.filter.staging()
         tag = "{" + settings.records_filter + "}"
         # Set (under the database's write barrier) once the rebuild's snapshot is taken:
         # from then on writers must also apply their change to the staging copy.
@@ -92,7 +104,7 @@ class RecordStore:
         self._journal = f"{prefix}app:rebuild:{tag}:deletes"
         self._rebuild_lock = f"{prefix}app:rebuild:{tag}:lock"
         self._cache_prefix = f"{prefix}app:cache:"
-        self._set_if_unchanged = redis.register_script(_SET_IF_UNCHANGED)
+        self._set_if_unchanged = FlushSafeScript(redis, _SET_IF_UNCHANGED)
         self._flight = SingleFlight()
         # Shared with the guard middleware: a failed guard lookup spares the cache read.
         self.breaker = breaker if breaker is not None else RedisBreaker(settings.redis_cooldown)
@@ -106,30 +118,29 @@ class RecordStore:
 
     async def get(self, key: str, *, suspect: bool = False) -> tuple[bool, Any]:
         """(found, value). `suspect`: the filter said "maybe", so a miss is a false positive."""
-        _, cache_key = self._keys(key)
+        version_key, cache_key = self._keys(key)
+        version: bytes | str | None = _UNKNOWN
         cached = None
         if self._cache_usable():
             try:
-                cached = await self.redis.get(cache_key)
+                version, cached = await self.redis.mget(version_key, cache_key)
             except RedisUnreachable:
                 self._cache_failed()
         if cached is not None:
             negative = cached == _NEGATIVE
             self.metrics.cache_hit(negative)
             return (False, None) if negative else (True, json.loads(cached[1:]))
-        raw = await self._flight.do(key, lambda: self._load(key, suspect))
+        # Keyed by the version too: a load that started before a write acknowledged to this
+        # caller read an older version (and maybe the older row), so it is not joined.
+        raw = await self._flight.do((key, version), lambda: self._load(key, version, suspect))
         return (False, None) if raw is None else (True, json.loads(raw))
 
-    async def _load(self, key: str, suspect: bool) -> str | None:
+    async def _load(self, key: str, version: bytes | str | None, suspect: bool) -> str | None:
+        """The row, cached unless `version` (read before the query) changed since."""
         version_key, cache_key = self._keys(key)
-        if not self._cache_usable():
-            return await self.db.get(key)  # Redis gone: nothing to cache into either
-        try:
-            version = await self.redis.get(version_key)
-        except RedisUnreachable:
-            self._cache_failed()
-            return await self.db.get(key)
         raw = await self.db.get(key)
+        if version == _UNKNOWN:
+            return raw  # Redis gone: nothing to cache into either
         if raw is None:
             if suspect:
                 self.metrics.decision("false_positive")
@@ -191,7 +202,15 @@ class RecordStore:
 
         async def apply() -> None:
             nonlocal applied
-            await self._filters_apply(key, add=add)
+            try:
+                await self._filters_apply(key, add=add)
+            except RedisUnreachable:
+                # No answer: the change may have happened anyway. A delete that did would
+                # leave the row, once rolled back, without its fingerprint (a false negative),
+                # so it is put back; an insert that did adds a false positive at worst, and
+                # undoing it could remove another key's fingerprint.
+                applied = not add
+                raise
             applied = True
 
         try:
@@ -200,6 +219,8 @@ class RecordStore:
             if applied:
                 await self._undo(key, add=add)
             raise
+        # A load started without Redis (version unknown) may predate this write.
+        self._flight.forget((key, _UNKNOWN))
         await self._invalidate_after_write(key)
         return changed
 
@@ -220,7 +241,7 @@ class RecordStore:
             return
         if add:
             with suppress(FilterNotFoundError):  # the rebuild was aborted
-                await self.staging.insert(key)
+                await self._writers_staging.insert(key)
         else:
             # The snapshot's keys may not all be in staging yet, and deleting an item a cuckoo
             # filter never got can remove another item's fingerprint (a false negative), so
@@ -249,7 +270,9 @@ class RecordStore:
 
         Readers use the old filter until the swap, so no present key ever reads as absent.
         """
-        lock = self.redis.lock(self._rebuild_lock, timeout=600, blocking=False)
+        lock = self.admin.lock(
+            self._rebuild_lock, timeout=600, blocking=False, lock_class=FlushSafeLock
+        )
         if not await lock.acquire(token=uuid.uuid4().hex):
             raise RebuildInProgress(f"a rebuild of {self.filter.name!r} is already running")
         try:

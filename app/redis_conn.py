@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.lock import Lock
+from redis.exceptions import NoScriptError
 
 from app.settings import Settings
 from guard.connect import connect_async, is_cluster_url
@@ -19,15 +22,62 @@ log = logging.getLogger(__name__)
 MEMORY_URL = "memory://"
 
 
-def _client_options(settings: Settings) -> dict[str, Any]:
+def _client_options(settings: Settings, socket_timeout: float) -> dict[str, Any]:
     # Short timeouts: a Redis that is really gone fails in milliseconds, so the guard can fail
     # open instead of holding requests. connect_async() retries only a broken connection, once
     # (a timeout retried would double the time a request hangs, and may run a script twice).
     return {
-        "socket_timeout": settings.redis_timeout,
+        "socket_timeout": socket_timeout,
         "socket_connect_timeout": settings.redis_timeout,
         "decode_responses": False,
     }
+
+
+@dataclass
+class RedisClients:
+    """The service's clients of its one Redis: `main` for requests, with short timeouts, and
+    `admin` for operations that write whole filters (GUARD_REDIS_ADMIN_TIMEOUT): a 448 MiB
+    reserve outlasts the short timeout, and a timed-out command may still have run."""
+
+    main: aioredis.Redis
+    admin: aioredis.Redis
+
+
+class FlushSafeScript:
+    """A registered script that a SCRIPT FLUSH at any moment cannot fail.
+
+    redis-py's Script reloads on NOSCRIPT and retries once; a second flush between the reload
+    and the retry still failed the call (a 500 under a flushing loop). Then the script is
+    sent as EVAL, which cannot miss, as the library does for its own scripts.
+    """
+
+    def __init__(self, client: Any, source: str) -> None:
+        self._script = client.register_script(source)
+
+    async def __call__(
+        self, keys: Sequence[Any] = (), args: Sequence[Any] = (), client: Any = None
+    ) -> Any:
+        try:
+            return await self._script(keys=keys, args=args, client=client)
+        except NoScriptError:
+            target = client if client is not None else self._script.registered_client
+            return await target.eval(self._script.script, len(keys), *keys, *args)
+
+
+class FlushSafeLock(Lock):
+    """redis-py's asyncio lock, its release / extend / reacquire scripts flush-safe."""
+
+    # Its own class attributes: Lock's are registered plain, by whichever client came first.
+    lua_release: Any = None
+    lua_extend: Any = None
+    lua_reacquire: Any = None
+
+    def register_scripts(self) -> None:
+        cls = type(self)
+        if cls.lua_release is None:
+            cls.lua_release = FlushSafeScript(self.redis, cls.LUA_RELEASE_SCRIPT)
+            cls.lua_extend = FlushSafeScript(self.redis, cls.LUA_EXTEND_SCRIPT)
+            cls.lua_reacquire = FlushSafeScript(self.redis, cls.LUA_REACQUIRE_SCRIPT)
 
 
 def _start_embedded(path: Path) -> Any:
@@ -43,30 +93,39 @@ def _stop_embedded(server: Any) -> None:
 
 
 @asynccontextmanager
-async def open_redis(settings: Settings) -> AsyncIterator[aioredis.Redis]:
-    """Yield a connected client; close it (and stop an embedded server) on exit."""
+async def open_redis(settings: Settings) -> AsyncIterator[RedisClients]:
+    """Yield connected clients; close them (and stop an embedded server) on exit."""
     server = None
     if settings.redis_url == MEMORY_URL:
         import fakeredis
 
-        client: aioredis.Redis = fakeredis.FakeAsyncRedis(decode_responses=False)
+        fake: aioredis.Redis = fakeredis.FakeAsyncRedis(decode_responses=False)
         log.info("redis: in-process fakeredis (data lost on exit)")
-    elif settings.redis_cluster or is_cluster_url(settings.redis_url):
-        client = connect_async(settings.redis_url, cluster=True, **_client_options(settings))
-        log.info("redis: cluster %s", _redact(settings.redis_url))
-    elif settings.redis_url:
-        client = connect_async(settings.redis_url, **_client_options(settings))
-        log.info("redis: %s", _redact(settings.redis_url))
+        clients = RedisClients(fake, fake)  # no sockets, no timeouts
     else:
-        path = Path(settings.embedded_redis_file).resolve()
-        # Starting redis-server blocks for ~0.1 s: keep it off the event loop.
-        server = await asyncio.to_thread(_start_embedded, path)
-        client = connect_async(f"unix://{server.socket_file}", **_client_options(settings))
-        log.info("redis: embedded redis-server, data in %s", path)
+        url, cluster = (
+            settings.redis_url,
+            settings.redis_cluster or is_cluster_url(settings.redis_url),
+        )
+        if not url:
+            path = Path(settings.embedded_redis_file).resolve()
+            # Starting redis-server blocks for ~0.1 s: keep it off the event loop.
+            server = await asyncio.to_thread(_start_embedded, path)
+            url = f"unix://{server.socket_file}"
+            log.info("redis: embedded redis-server, data in %s", path)
+        else:
+            log.info("redis: %s%s", "cluster " if cluster else "", _redact(url))
+        clients = RedisClients(
+            *(
+                connect_async(url, cluster=cluster, **_client_options(settings, timeout))
+                for timeout in (settings.redis_timeout, settings.redis_admin_timeout)
+            )
+        )
     try:
-        yield client
+        yield clients
     finally:
-        await client.aclose()
+        for client in {id(c): c for c in (clients.main, clients.admin)}.values():
+            await client.aclose()
         if server is not None:
             await asyncio.to_thread(_stop_embedded, server)
 

@@ -26,6 +26,12 @@ class Settings(BaseSettings):
     redis_timeout: float = Field(
         default=0.25, gt=0, description="socket and connect timeout, seconds"
     )
+    redis_admin_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="socket timeout of admin operations (create, drop, rebuild), which write "
+        "whole filters: a 100,000,000-item filter is 448 MiB",
+    )
     redis_cooldown: float = Field(
         default=1.0,
         ge=0,

@@ -2,16 +2,21 @@
 
 A filter's first key is ``PREFIX{NAME}``; shard ``i`` of a sharded filter is ``PREFIX{NAME:i}``
 (guard/sharded.py). Sub-filter keys (``…}:n``) and staging copies (``…}:staging``) end after
-the brace, so the match pattern skips them without reading a byte of any filter.
+the brace, so the match pattern skips them without reading a byte of any filter. Other keys
+that match (a name that is not valid UTF-8 or not a filter name) are skipped: no filter can
+have them. ``read_filters`` then reads each filter's info, reporting the damaged ones (a key
+of another type under a filter's name, bytes that are not a filter) instead of failing.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from guard.filter import DEFAULT_PREFIX, NAME_PATTERN
+from guard.errors import FilterCorruptError, FilterNotFoundError
+from guard.filter import DEFAULT_PREFIX, NAME_PATTERN, FilterInfo
 
 
 def _match_pattern(prefix: str) -> str:
@@ -20,31 +25,37 @@ def _match_pattern(prefix: str) -> str:
     return f"{escaped}{{*}}"
 
 
-def _tag_of(key: bytes | str, prefix: str) -> str:
-    text = key.decode() if isinstance(key, bytes) else key
-    return text[len(prefix) + 1 : -1]
+def _tag_of(key: bytes | str, prefix: str) -> str | None:
+    if isinstance(key, bytes):
+        try:
+            key = key.decode()
+        except UnicodeDecodeError:
+            return None  # names are ASCII: no filter has this key
+    return key[len(prefix) + 1 : -1]
 
 
-def _names(tags: Iterable[str]) -> list[str]:
+def _names(tags: Iterable[str | None]) -> list[str]:
     # User names cannot hold ':', so a shard's tag is never taken for a filter's name.
-    return sorted({tag for tag in tags if NAME_PATTERN.fullmatch(tag)})
+    return sorted({tag for tag in tags if tag is not None and NAME_PATTERN.fullmatch(tag)})
 
 
-def _shard_counts(tags: Iterable[str]) -> dict[str, int]:
+def _shard_counts(tags: Iterable[str | None]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for tag in tags:
+        if tag is None:
+            continue
         name, colon, index = tag.rpartition(":")
         if colon and NAME_PATTERN.fullmatch(name) and index.isascii() and index.isdigit():
             counts[name] = max(counts.get(name, 0), int(index) + 1)
     return dict(sorted(counts.items()))
 
 
-async def _tags(redis: Any, prefix: str) -> list[str]:
+async def _tags(redis: Any, prefix: str) -> list[str | None]:
     pattern = _match_pattern(prefix)
     return [_tag_of(k, prefix) async for k in redis.scan_iter(match=pattern, count=1000)]
 
 
-def _tags_sync(redis: Any, prefix: str) -> list[str]:
+def _tags_sync(redis: Any, prefix: str) -> list[str | None]:
     pattern = _match_pattern(prefix)
     return [_tag_of(k, prefix) for k in redis.scan_iter(match=pattern, count=1000)]
 
@@ -73,9 +84,43 @@ def list_sharded_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> dict[
     return _shard_counts(_tags_sync(redis, prefix))
 
 
+class _Readable(Protocol):
+    async def info(self) -> FilterInfo: ...
+
+
+@dataclass
+class FilterReport:
+    """What ``read_filters`` found: the filters it could read, and the damaged ones."""
+
+    infos: list[FilterInfo] = field(default_factory=list)
+    damaged: list[str] = field(default_factory=list)
+
+
+async def read_filters(
+    redis: Any,
+    handle: Callable[[str], _Readable],
+    prefix: str = DEFAULT_PREFIX,
+    limit: int | None = None,
+) -> FilterReport:
+    """The info of the first ``limit`` filters under ``prefix`` (``handle(name)`` opens one),
+    a damaged filter named in ``damaged`` rather than failing the whole listing; filters
+    dropped since the SCAN are left out. Redis being unreachable still raises."""
+    report = FilterReport()
+    for name in (await list_filters(redis, prefix))[:limit]:
+        try:
+            report.infos.append(await handle(name).info())
+        except FilterNotFoundError:
+            continue
+        except FilterCorruptError:
+            report.damaged.append(name)
+    return report
+
+
 __all__ = [
+    "FilterReport",
     "list_filters",
     "list_filters_sync",
     "list_sharded_filters",
     "list_sharded_filters_sync",
+    "read_filters",
 ]

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, Protocol
 
 from guard.breaker import RedisBreaker
+from guard.errors import FilterCorruptError, RedisUnreachable
 
 log = logging.getLogger("guard.middleware")
 
@@ -30,6 +31,8 @@ FilterSource = Lookup | Callable[[Scope], Lookup | None]
 KeyExtractor = Callable[[Scope, re.Match[str]], str | None]
 
 BLOCKED, PASSED, BYPASSED, REJECTED = "blocked", "passed", "bypassed", "rejected"
+# Why a lookup failed, as given to `on_failure`.
+UNREACHABLE, DAMAGED, ERROR = "unreachable", "damaged", "error"
 
 
 def key_from_match(scope: Scope, match: re.Match[str]) -> str | None:
@@ -46,13 +49,15 @@ class GuardMiddleware:
     app is never called. Otherwise the request goes on with `X-Guard: passed`, and the
     decision is left in `scope["guard.decision"]` so the app can count false positives.
 
-    When the lookup fails (Redis down, filter missing), `fail_open=True` lets the request
-    through (`X-Guard: bypassed`) because the filter only saves work and the database still
-    answers correctly; `fail_open=False` answers 503 with Retry-After. A missing filter is
-    always bypassed: with no filter there is nothing to say a key is absent. After a failure
-    the filter is left alone for `cooldown` seconds (through `breaker`, which the app may
-    share with its own Redis calls), and the failure is logged once per incident, not once
-    per request.
+    When the lookup fails (Redis down, the filter's data damaged), `fail_open=True` lets the
+    request through (`X-Guard: bypassed`) because the filter only saves work and the database
+    still answers correctly; `fail_open=False` answers 503 with Retry-After. A missing filter
+    is always bypassed: with no filter there is nothing to say a key is absent. After Redis
+    failed, it is left alone for `cooldown` seconds (through `breaker`, which the app may
+    share with its own Redis calls); a damaged filter does not trip the breaker, for Redis
+    itself answers. A failure is logged once per incident (and when it clears), not once per
+    request, and each failed lookup is reported to `on_failure` with its reason:
+    "unreachable", "damaged" or "error".
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class GuardMiddleware:
         retry_after: int = 1,
         on_decision: Callable[[str], None] | None = None,
         missing: tuple[type[BaseException], ...] | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.app = app
         self.filter = filter
@@ -79,6 +85,7 @@ class GuardMiddleware:
         self.breaker = breaker if breaker is not None else RedisBreaker(cooldown)
         self.retry_after = retry_after
         self.on_decision = on_decision
+        self.on_failure = on_failure
         if missing is None:
             # Imported here, not at module level: `guard` may import this module.
             from guard import FilterNotFoundError
@@ -86,6 +93,7 @@ class GuardMiddleware:
             missing = (FilterNotFoundError,)
         self.missing = missing
         self._incident_since: float | None = None
+        self._incident_reason: str | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self._guarded_key(scope)
@@ -134,11 +142,19 @@ class GuardMiddleware:
         return PASSED if present else BLOCKED
 
     def _failed(self, exc: Exception) -> None:
-        self.breaker.trip()
-        if self._incident_since is None:
-            self._incident_since = time.monotonic()
+        if isinstance(exc, FilterCorruptError):
+            reason = DAMAGED  # Redis answered: its other users need not skip it
+        else:
+            reason = UNREACHABLE if isinstance(exc, RedisUnreachable) else ERROR
+            self.breaker.trip()
+        if self.on_failure is not None:
+            self.on_failure(reason)
+        if reason != self._incident_reason:  # a new incident, or another cause for it
+            if self._incident_since is None:
+                self._incident_since = time.monotonic()
+            self._incident_reason = reason
             policy = "failing open" if self.fail_open else "failing closed (503)"
-            log.warning("guard filter unavailable, %s: %r", policy, exc)
+            log.warning("guard filter unavailable (%s), %s: %r", reason, policy, exc)
 
     def _recovered(self) -> None:
         if self._incident_since is not None:
@@ -146,6 +162,7 @@ class GuardMiddleware:
                 "guard filter reachable again after %.1f s", time.monotonic() - self._incident_since
             )
             self._incident_since = None
+            self._incident_reason = None
 
     @staticmethod
     async def _answer(

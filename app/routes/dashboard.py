@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from pathlib import Path
@@ -11,9 +12,10 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
 
 from app.deps import DbDep, FiltersDep, MetricsDep, RedisDep, SettingsDep
-from guard import FilterNotFoundError, GuardError, list_filters
 from guard.errors import RedisUnreachable
+from guard.listing import read_filters
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["dashboard"])
 
 # Shipped as package data (pyproject: app = ["static/*"]); a plain directory once installed.
@@ -72,31 +74,29 @@ async def dashboard_data(
     db: DbDep,
     settings: SettingsDep,
 ) -> dict[str, Any]:
-    """What the dashboard shows: this process's counters, their recent history, and every
-    filter's items, load factor and memory (`filters` is null while Redis is unreachable)."""
+    """What the dashboard shows: this process's counters, their recent history, every
+    filter's items, load factor and memory, and the names of damaged filters (`filters` and
+    `damaged` are null while the filters cannot be read, e.g. Redis is unreachable)."""
     stats: dict[str, Any] = {"db_queries": db.queries, **metrics.stats.as_dict()}
     now = time.time()
     history = _history(request)
     history.add({"t": now, **{k: float(v) for k, v in stats.items()}})
-    infos: list[dict[str, Any]] | None
+    infos: list[dict[str, Any]] | None = None
+    damaged: list[str] | None = None
     try:
-        found: list[dict[str, Any]] = []
-        names = (await list_filters(redis, prefix=settings.key_prefix))[:MAX_FILTERS]
-        for name in names:
-            try:
-                info = await filters.get(name).info()
-            except FilterNotFoundError:
-                continue
-            found.append(info.as_dict())
-        infos = found
-    except (*RedisUnreachable, GuardError):
+        report = await read_filters(redis, filters.get, settings.key_prefix, MAX_FILTERS)
+        infos, damaged = [i.as_dict() for i in report.infos], report.damaged
+    except RedisUnreachable:
         metrics.redis_error("dashboard")
-        infos = None
+    except Exception as exc:  # the counters are worth showing whatever the filters hold
+        metrics.collect_error("dashboard")
+        log.warning("dashboard: filters skipped: %r", exc)
     return {
         "time": now,
         "records_filter": settings.records_filter,
         "db_latency_ms": settings.db_latency_ms,
         "stats": stats,
         "filters": infos,
+        "damaged": damaged,
         "history": list(history.samples),
     }

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app import errors
 from app.deps import (
+    AdminFilterDep,
     Auth,
     FilterDep,
     FilterName,
@@ -27,7 +28,8 @@ from app.deps import (
 from app.errors import BadInput, Conflict
 from app.idempotency import HEADER, fingerprint
 from app.records import RebuildInProgress
-from guard import FilterInfo, FilterNotFoundError, list_filters
+from guard import FilterInfo, FilterNotFoundError
+from guard.listing import read_filters
 
 router = APIRouter(prefix="/filters", tags=["filters"])
 
@@ -39,6 +41,9 @@ IdemKey = Annotated[
 
 class FilterList(BaseModel):
     filters: list[FilterInfo]
+    damaged: list[str] = Field(
+        description="Filters whose data in Redis is damaged (drop or rebuild them)"
+    )
 
 
 class ReserveIn(BaseModel):
@@ -91,16 +96,11 @@ def _info(info: Any) -> dict[str, Any]:
     return data
 
 
-@router.get("", response_model=FilterList, responses={**errors.UNAVAILABLE, **errors.DAMAGED})
+@router.get("", response_model=FilterList, responses=errors.UNAVAILABLE)
 async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
-    """Every filter with its info."""
-    infos = []
-    for name in await list_filters(redis, prefix=filters.prefix):
-        try:
-            infos.append(_info(await filters.get(name).info()))
-        except FilterNotFoundError:
-            continue  # dropped since the listing
-    return {"filters": infos}
+    """Every filter with its info; damaged ones by name only."""
+    report = await read_filters(redis, filters.get, filters.prefix)
+    return {"filters": [_info(i) for i in report.infos], "damaged": report.damaged}
 
 
 @router.put(
@@ -108,20 +108,29 @@ async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
     status_code=201,
     response_model=FilterInfo,
     dependencies=[Auth],
-    responses={**errors.UNAUTHORIZED, **errors.CONFLICT, **errors.TOO_LARGE, **errors.COMMON},
+    responses={
+        **errors.UNAUTHORIZED,
+        **errors.CONFLICT,
+        **errors.TOO_LARGE,
+        **errors.COMMON,
+        **errors.IN_DOUBT,
+    },
 )
-async def create(body: ReserveIn, cf: WritableFilterDep, settings: SettingsDep) -> Any:
+async def create(body: ReserveIn, cf: AdminFilterDep, settings: SettingsDep) -> Any:
     """Create a filter. 409 if it exists."""
     if body.capacity > settings.max_capacity:
         raise BadInput(("body", "capacity"), f"must be at most {settings.max_capacity}")
-    info = await cf.reserve(
-        body.capacity,
-        error_rate=body.error_rate,
-        fingerprint_bits=body.fingerprint_bits,
-        bucket_size=body.bucket_size,
-        max_kicks=body.max_kicks,
-        expansion=body.expansion,
-    )
+    async with errors.in_doubt_on_timeout(
+        f"creating filter {cf.name!r}", f"GET /filters/{cf.name} tells (a retry answers 409 if so)"
+    ):
+        info = await cf.reserve(
+            body.capacity,
+            error_rate=body.error_rate,
+            fingerprint_bits=body.fingerprint_bits,
+            bucket_size=body.bucket_size,
+            max_kicks=body.max_kicks,
+            expansion=body.expansion,
+        )
     return _info(info)
 
 
@@ -135,11 +144,21 @@ async def get(cf: FilterDep) -> Any:
     "/{name}",
     status_code=204,
     dependencies=[Auth],
-    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.CONFLICT, **errors.COMMON},
+    responses={
+        **errors.UNAUTHORIZED,
+        **errors.NOT_FOUND,
+        **errors.CONFLICT,
+        **errors.COMMON,
+        **errors.IN_DOUBT,
+    },
 )
-async def drop(cf: WritableFilterDep) -> Response:
+async def drop(cf: AdminFilterDep) -> Response:
     """Delete a filter and everything in it."""
-    if not await cf.drop():
+    async with errors.in_doubt_on_timeout(
+        f"dropping filter {cf.name!r}", f"GET /filters/{cf.name} tells (a retry answers 404 if so)"
+    ):
+        dropped = await cf.drop()
+    if not dropped:
         raise FilterNotFoundError(f"filter {cf.name!r} does not exist")
     return Response(status_code=204)
 
@@ -155,6 +174,7 @@ async def drop(cf: WritableFilterDep) -> Response:
         **errors.TOO_LARGE,
         **errors.FULL,
         **errors.COMMON,
+        **errors.IN_DOUBT,
     },
 )
 async def add(
@@ -197,6 +217,7 @@ async def check(body: ItemsIn, cf: FilterDep, settings: SettingsDep) -> Any:
         **errors.CONFLICT,
         **errors.TOO_LARGE,
         **errors.COMMON,
+        **errors.IN_DOUBT,
     },
 )
 async def delete_items(
@@ -221,7 +242,13 @@ async def delete_items(
     "/{name}/rebuild",
     response_model=FilterInfo,
     dependencies=[Auth],
-    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.CONFLICT, **errors.COMMON},
+    responses={
+        **errors.UNAUTHORIZED,
+        **errors.NOT_FOUND,
+        **errors.CONFLICT,
+        **errors.COMMON,
+        **errors.IN_DOUBT,
+    },
 )
 async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
     """Rebuild a table-backed filter from its table, swapping it in atomically. 409 for a
@@ -231,7 +258,10 @@ async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
             raise FilterNotFoundError(f"filter {cf.name!r} does not exist")
         raise Conflict(f"filter {cf.name!r} is not backed by a table")
     try:
-        return _info(await records.rebuild())
+        async with errors.in_doubt_on_timeout(
+            f"rebuilding filter {cf.name!r}", "a rebuild is safe to run again"
+        ):
+            return _info(await records.rebuild())
     except RebuildInProgress as exc:
         raise Conflict(str(exc)) from None
 
@@ -248,6 +278,7 @@ async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
         **errors.CONFLICT,
         **errors.FULL,
         **errors.COMMON,
+        **errors.IN_DOUBT,
     },
 )
 async def put_item(
@@ -285,7 +316,13 @@ async def get_item(item: str, name: FilterName, request: Request) -> Any:
     "/{name}/items/{item:path}",
     response_model=Deleted,
     dependencies=[Auth],
-    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.CONFLICT, **errors.COMMON},
+    responses={
+        **errors.UNAUTHORIZED,
+        **errors.NOT_FOUND,
+        **errors.CONFLICT,
+        **errors.COMMON,
+        **errors.IN_DOUBT,
+    },
 )
 async def delete_item(
     item: str,

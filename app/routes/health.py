@@ -11,8 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from app.deps import DbDep, FiltersDep, MetricsDep, RedisDep, SettingsDep
-from guard import FilterCorruptError, FilterNotFoundError, GuardError, list_filters
 from guard.errors import RedisUnreachable
+from guard.listing import read_filters
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["operations"])
@@ -61,22 +61,18 @@ async def health(redis: RedisDep, metrics: MetricsDep, settings: SettingsDep) ->
 async def metrics_route(
     redis: RedisDep, filters: FiltersDep, metrics: MetricsDep, settings: SettingsDep
 ) -> Response:
-    """Prometheus text format. Per-filter gauges are read at scrape time (skipped if Redis
-    is down: a scrape never fails because of Redis)."""
+    """Prometheus text format. Per-filter gauges are read at scrape time; a damaged filter is
+    flagged and the others keep theirs. A scrape never fails: when the gauges cannot be read
+    (Redis down, anything else) they are skipped and the error counted."""
     try:
-        infos, damaged = [], []
-        for name in (await list_filters(redis, prefix=settings.key_prefix))[:MAX_FILTER_GAUGES]:
-            try:
-                infos.append(await filters.get(name).info())
-            except FilterNotFoundError:
-                continue
-            except FilterCorruptError:
-                # One damaged filter must not blank every other filter's gauges.
-                damaged.append(name)
-        metrics.set_filters(infos, damaged)
-    except (*RedisUnreachable, GuardError) as exc:
+        report = await read_filters(redis, filters.get, settings.key_prefix, MAX_FILTER_GAUGES)
+        metrics.set_filters(report.infos, report.damaged)
+    except RedisUnreachable as exc:
         metrics.redis_error("metrics")
         log.debug("metrics: filter gauges skipped: %r", exc)
+    except Exception as exc:  # the request counters must go out whatever the filters hold
+        metrics.collect_error("metrics")
+        log.warning("metrics: filter gauges skipped: %r", exc)
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -25,7 +25,7 @@ from app.main import create_app
 from app.records import RecordStore
 from app.settings import Settings
 from tests.keys import cleanup
-from tests.redis_server import real_redis
+from tests.redis_server import RedisProcess, real_redis
 
 BACKENDS = ["redis", "fakeredis"]
 API_KEY = "test-key"
@@ -36,6 +36,17 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def app_redis_url() -> Iterator[str]:
     with real_redis("GUARD_TEST_APP_REDIS_URL", "redis://127.0.0.1:6379/14") as url:
         yield url
+
+
+@pytest.fixture
+def private_redis() -> Iterator[str]:
+    """A redis-server of the test's own, for what must not touch the shared one (SCRIPT FLUSH,
+    big filters); stopped after the test."""
+    server = RedisProcess.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 @dataclass

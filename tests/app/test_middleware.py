@@ -10,7 +10,8 @@ import httpx
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from guard import CuckooFilter, FilterNotFoundError
+from guard import CuckooFilter, FilterCorruptError, FilterNotFoundError
+from guard.breaker import RedisBreaker
 from guard.middleware import GuardMiddleware
 
 
@@ -175,6 +176,46 @@ class TestRedisDown:
             for _ in range(10):
                 await c.get("/i/x")
         assert cf.lookups == 1  # one failure, then no more waiting on a dead Redis
+
+    @pytest.mark.parametrize("fail_open", [True, False], ids=["open", "closed"])
+    async def test_damaged_filter_is_an_incident_without_the_breaker(
+        self, caplog: pytest.LogCaptureFixture, fail_open: bool
+    ) -> None:
+        """FilterCorruptError fails open or closed like an outage, logged once when it starts
+        and once when it clears, each lookup reported; Redis answers, so the shared breaker
+        (which would send the app's cache reads away too) is left closed."""
+        caplog.set_level(logging.WARNING, logger="guard.middleware")
+        breaker = RedisBreaker(60)
+        failures: list[str] = []
+        cf = FakeFilter(set(), FilterCorruptError("records: bad magic in key x"))
+        app = GuardMiddleware(
+            Downstream(), filter=cf, paths=[r"/i/(\w+)"], fail_open=fail_open,
+            breaker=breaker, on_failure=failures.append,
+        )  # fmt: skip
+        async with client(app) as c:
+            for _ in range(4):
+                r = await c.get("/i/x")
+                expected = (200, "bypassed") if fail_open else (503, "rejected")
+                assert (r.status_code, r.headers["x-guard"]) == expected
+            assert not breaker.open and cf.lookups == 4
+            cf.error = RedisConnectionError("refused")  # now Redis goes too: another cause
+            await c.get("/i/x")
+            assert breaker.open
+        assert failures == ["damaged"] * 4 + ["unreachable"]
+        messages = [r.getMessage() for r in caplog.records]
+        policy = "failing open" if fail_open else "failing closed (503)"
+        incidents = [m for m in messages if "unavailable" in m]
+        assert len(incidents) == 2, incidents  # once per cause, not once per request
+        assert incidents[0].startswith(f"guard filter unavailable (damaged), {policy}: ")
+        assert "bad magic" in incidents[0]
+        assert incidents[1].startswith(f"guard filter unavailable (unreachable), {policy}: ")
+        breaker.cooldown = 0
+        breaker.trip()
+        cf.error = None
+        async with client(app) as c:
+            assert (await c.get("/i/x")).status_code == 404
+            assert (await c.get("/i/x")).status_code == 404
+        assert sum("reachable again" in r.getMessage() for r in caplog.records) == 1
 
     async def test_non_http_scopes_pass(self) -> None:
         calls: list[str] = []

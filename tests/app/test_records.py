@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from guard import CuckooFilter
 from tests.app.conftest import AUTH, Service, StartService
 
 
@@ -168,3 +172,23 @@ class TestFilterFollowsTable:
             await svc.client.delete(f"/records/t{i}", headers=AUTH)
         info = await svc.records.filter.info()
         assert info.items == await svc.db.count() == 50 + 20
+
+
+class TestWriteWithoutAnswer:
+    """A filter change inside a record write that Redis took but did not answer."""
+
+    async def test_delete_in_doubt_keeps_the_row_findable(
+        self, svc: Service, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        real_delete = CuckooFilter.delete
+
+        async def delete_then_time_out(self: CuckooFilter, item: str) -> bool:
+            await real_delete(self, item)  # Redis ran it; its answer is lost
+            raise RedisTimeoutError("Timeout reading from socket")
+
+        monkeypatch.setattr(CuckooFilter, "delete", delete_then_time_out)
+        r = await svc.client.delete("/records/user-5", headers=AUTH)
+        assert r.status_code == 503  # the row was not deleted: that failure is true
+        monkeypatch.setattr(CuckooFilter, "delete", real_delete)
+        got = await svc.client.get("/records/user-5")
+        assert (got.status_code, got.headers["x-guard"]) == (200, "passed")  # not blocked

@@ -43,7 +43,6 @@ DAMAGE: dict[str, Callable[[redis.Redis, str], None]] = {
 
 ROUTES = [
     ("GET", "/filters/f", None),
-    ("GET", "/filters", None),
     ("POST", "/filters/f/check", {"items": ["a"]}),
     ("POST", "/filters/f/add", {"items": ["b"]}),
     ("POST", "/filters/f/delete", {"items": ["a"]}),
@@ -83,6 +82,10 @@ class TestDamagedFilter:
         logged = [rec.getMessage() for rec in caplog.records]
         assert len(logged) == 1, logged
         assert "damaged" in logged[0] and "f: " in logged[0]  # name and the library's reason
+        # The listing names it, and still shows the other filters.
+        listing = (await c.get("/filters")).json()
+        assert [f["name"] for f in listing["filters"]] == ["records"]
+        assert listing["damaged"] == ["f"]
         # /metrics keeps answering: the damaged filter is flagged, the others keep their gauges.
         metrics = await c.get("/metrics")
         assert metrics.status_code == 200
@@ -123,6 +126,10 @@ class TestDamagedFilter:
         delete = await c.delete("/records/user-2", headers=AUTH)
         assert_damaged(svc, delete.status_code, delete.text, "records")
         assert (await c.get("/filters/records")).status_code == 500
+        # Counted: every failed lookup of the guard, every damaged answer of the API.
+        metrics = (await c.get("/metrics")).text
+        assert 'guard_filter_failures_total{reason="damaged",where="guard"} 6.0' in metrics
+        assert 'guard_filter_failures_total{reason="damaged",where="api"} 3.0' in metrics
         # A rebuild repairs it, and the guard is back by itself.
         rebuilt = await c.post("/filters/records/rebuild", headers=AUTH)
         assert rebuilt.status_code == 200 and rebuilt.json()["items"] == 50

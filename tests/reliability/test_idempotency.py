@@ -196,7 +196,8 @@ class TestNoAnswerFromRedis:
         mp.setattr(CuckooFilter, "delete_many", delete_behind_a_busy_script)
         headers = {**AUTH, "Idempotency-Key": "no-answer-1"}
         r = await c.post("/filters/f/delete", json={"items": ["a"]}, headers=headers)
-        assert r.status_code == 503 and r.json() == {"detail": "Redis unavailable"}
+        # It did run: the answer says it may have, never that it failed.
+        assert r.status_code == 504 and "may have happened" in r.json()["detail"]
         mp.setattr(CuckooFilter, "delete_many", real_delete_many)
         assert (await c.get("/filters/f")).json()["items"] == 1  # it did run, unanswered
         r = await c.post("/filters/f/delete", json={"items": ["a"]}, headers=headers)

@@ -80,7 +80,8 @@ def recovery_seconds(samples: list[Sample], back: float) -> float:
 
 def assert_no_500(samples: list[Sample]) -> None:
     statuses = {s.status for s in samples}
-    assert not any(st >= 500 and st != 503 for st in statuses), statuses
+    # 503: Redis unavailable; 504: a write Redis took but did not answer (it may have run).
+    assert not any(st >= 500 and st not in (503, 504) for st in statuses), statuses
     assert 0 not in statuses, "a request failed at the socket or hit the client timeout"
 
 
@@ -131,7 +132,9 @@ class TestRedisGoesAway:
         else:
             bad = [s for s in reads if s.status != 503 or s.guard != "rejected"]
         assert bad == [], [(round(s.start - marks["down"], 3), s) for s in bad[:5]]
-        assert all(s.status == 503 for s in writes)
+        # A frozen Redis takes the add and runs it once thawed: that answer is "in doubt".
+        in_doubt = {504} if mode == "freeze" else set()
+        assert all(s.status in {503} | (in_doubt if s.kind == "add" else set()) for s in writes)
         recovery = recovery_seconds(load.samples, marks["back"])
         late = [(round(x.start - marks["back"], 3), x.kind, x.status, x.guard)
                 for x in load.samples if x.start >= marks["back"] and not Load.ok(x)]  # fmt: skip

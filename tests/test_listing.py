@@ -1,0 +1,41 @@
+"""Listing filters under a prefix that also holds keys no filter has (not valid UTF-8, not a
+filter name, another type): such keys are skipped, damaged filters reported by name."""
+
+from __future__ import annotations
+
+import redis
+import redis.asyncio as aioredis
+
+from guard import CuckooFilter, SyncCuckooFilter, list_filters_sync, list_sharded_filters_sync
+from guard.listing import read_filters
+
+
+class TestForeignKeys:
+    def test_listings_skip_names_no_filter_can_have(
+        self, sync_redis: redis.Redis, prefix: str
+    ) -> None:
+        SyncCuckooFilter(sync_redis, "ok", prefix=prefix).reserve(10)
+        p = prefix.encode()
+        sync_redis.set(p + b"{\xff\xfe}", b"x")  # not valid UTF-8
+        sync_redis.set(p + b"{\xff:0}", b"x")  # a shard's shape, not valid UTF-8
+        sync_redis.set(p + b"{not a name}", b"x")
+        assert list_filters_sync(sync_redis, prefix) == ["ok"]
+        assert list_sharded_filters_sync(sync_redis, prefix) == {}
+
+    async def test_read_filters_names_damaged_ones(
+        self, async_redis: aioredis.Redis, prefix: str
+    ) -> None:
+        await CuckooFilter(async_redis, "ok", prefix=prefix).reserve(10)
+        p = prefix.encode()
+        await async_redis.set(p + b"{\xff\xfe}", b"x")
+        await async_redis.hset(p + b"{hash}", "field", "value")  # a filter's name, another type
+        await async_redis.set(p + b"{junk}", b"not a filter")
+
+        def handle(name: str) -> CuckooFilter:
+            return CuckooFilter(async_redis, name, prefix=prefix)
+
+        report = await read_filters(async_redis, handle, prefix)
+        assert [i.name for i in report.infos] == ["ok"]
+        assert report.damaged == ["hash", "junk"]
+        first = await read_filters(async_redis, handle, prefix, limit=1)
+        assert (first.infos, first.damaged) == ([], ["hash"])
