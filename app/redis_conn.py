@@ -26,9 +26,10 @@ def _client_options(settings: Settings, socket_timeout: float) -> dict[str, Any]
     # Short timeouts: a Redis that is really gone fails in milliseconds, so the guard can fail
     # open instead of holding requests. connect_async() retries only a broken connection, once
     # (a timeout retried would double the time a request hangs, and may run a script twice).
+    # The admin client may connect for as long as it may wait: its callers wait anyway.
     return {
         "socket_timeout": socket_timeout,
-        "socket_connect_timeout": settings.redis_timeout,
+        "socket_connect_timeout": max(socket_timeout, settings.redis_timeout),
         "decode_responses": False,
     }
 
