@@ -3,8 +3,10 @@
 Each operation is written once, as a generator that yields the Redis calls it needs (script
 calls; plain reads for lookups) and gets their replies back; the async and sync classes only run
 those calls on their client. The handle caches the filter's layout and sends it with every call;
-a call that finds the stored header different answers STALE with the real one, and the
-operation retries with it.
+a call that finds the stored header different answers STALE, and the operation reads the
+stored filter again (the probe) and retries. A layout is adopted only after the probe has
+verified every sub-filter (guard/layout.py:verify_stored); a damaged filter leaves the handle
+with no layout, so every call checks again and raises FilterCorruptError again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from guard.coalesce import LookupCoalescer
 from guard.errors import (
     FilterCorruptError,
     FilterFullError,
+    FilterNotFoundError,
     GuardError,
     InvalidParameterError,
 )
@@ -180,13 +183,43 @@ class _FilterOps:
         return [self.key(n) for n in range(max(1, count))]
 
     def _adopt(self, reply: list[Any]) -> bool:
-        """Take the layout a STALE reply carries; True when the reply was STALE."""
+        """True when the reply was STALE: the handle forgets its layout, to probe again."""
         if reply[0] != scripts.STALE:
-            if reply[1] != self._layout.subfilters:
+            if reply[1] != self._layout.subfilters:  # this very call grew the filter
                 self._layout = replace(self._layout, subfilters=int(reply[1]))
             return False
-        self._layout = Layout.from_reply(reply[1:])
+        self._layout = fmt.UNKNOWN_LAYOUT
         return True
+
+    def _probe_op(self) -> Op:
+        """Read the stored filter with read-only commands, verify it, adopt its layout.
+
+        One MULTI reads each sub-filter's header, length and tag (as many sub-filters as the
+        handle last knew of; a second MULTI when sub-filter 0 counts more). Returns what was
+        read, one fmt.Stored per sub-filter.
+        """
+        count = max(1, self._layout.subfilters)
+        self._layout = fmt.UNKNOWN_LAYOUT  # nothing unverified is kept, even on failure
+        for _ in range(MAX_RETRIES):
+            calls: list[Call | Command] = [Command("EXISTS", [self.key(0)])]
+            for n in range(count):
+                calls += [
+                    Command("GETRANGE", [self.key(n), 0, fmt.HEADER_BYTES - 1]),
+                    Command("STRLEN", [self.key(n)]),
+                    Command("GETRANGE", [self.key(n), -fmt.TAG_BYTES, -1]),
+                ]
+            replies = yield Round(calls, atomic=True)
+            if not replies[0]:
+                raise FilterNotFoundError(f"{self.name}: no such filter")
+            stored = [
+                fmt.Stored(self.key(n), *replies[1 + 3 * n : 4 + 3 * n]) for n in range(count)
+            ]
+            layout = fmt.verify_stored(self.name, stored)
+            if layout.subfilters <= count:
+                self._layout = layout
+                return stored[: layout.subfilters]
+            count = layout.subfilters
+        raise GuardError(f"{self.name}: layout kept changing while reading it")
 
     @staticmethod
     def _flat_hashes(data: Sequence[bytes], seed: int) -> list[int]:
@@ -214,21 +247,21 @@ class _FilterOps:
         for _ in range(MAX_RETRIES):
             if not pending:
                 return results
+            if not self._layout.buckets0:
+                yield from self._probe_op()
             layout = self._layout
-            # With no layout yet, one small call learns it instead of every chunk failing.
-            sending = pending if layout.buckets0 else pending[:1]
-            flat = self._flat_hashes(data, layout.seed) if layout.buckets0 else [0, 0] * len(data)
+            flat = self._flat_hashes(data, layout.seed)
             keys = self._keys(layout.subfilters)
             replies = yield Round(
-                [Call(script, keys, layout.args() + flat[2 * a : 2 * b]) for a, b in sending]
+                [Call(script, keys, layout.args() + flat[2 * a : 2 * b]) for a, b in pending]
             )
-            retry = pending[len(sending) :]
-            for (a, b), reply in zip(sending, replies, strict=True):
+            retry = []
+            for (a, b), reply in zip(pending, replies, strict=True):
                 if self._adopt(reply):
                     retry.append((a, b))
                 else:
                     results[a:b] = reply[2:]
-            pending = sorted(retry)
+            pending = retry
         raise GuardError(f"{self.name}: layout kept changing during {script}")
 
     def _lookup_op(self, data: list[bytes]) -> Op:
@@ -244,7 +277,7 @@ class _FilterOps:
         for _ in range(MAX_RETRIES):
             layout = self._layout
             if not layout.buckets0:
-                yield from self._info_op()  # learns the layout, or raises not found
+                yield from self._probe_op()  # learns the layout, or raises
                 checked = self._layout
                 continue
             if seed != layout.seed:
@@ -266,10 +299,10 @@ class _FilterOps:
             except TagMismatch as bad:
                 if checked == layout:
                     # The headers hold this very layout, yet a tag disagrees: damaged.
-                    raise FilterCorruptError(f"{self.name}: bad tag in {bad.key}") from None
-            # Stale, gone or damaged: the info script checks every header and says which
+                    raise FilterCorruptError(self.name, f"bad tag in {bad.key}") from None
+            # Stale, gone or damaged: the probe checks every sub-filter and says which
             # (adopting the stored layout, or raising not found / corrupt).
-            yield from self._info_op()
+            yield from self._probe_op()
             checked = self._layout
         raise GuardError(f"{self.name}: layout kept changing during lookup")
 
@@ -280,9 +313,11 @@ class _FilterOps:
         stale = spare_less = 0
         spares = 2
         while len(results) < len(data):
+            if not self._layout.buckets0:
+                yield from self._probe_op()
             layout = self._layout
             chunk = max(1, min(INSERT_CHUNK, KICK_BUDGET // max(1, layout.max_kicks)))
-            part = data[len(results) : len(results) + chunk] if layout.buckets0 else data[:0]
+            part = data[len(results) : len(results) + chunk]
             # Two spare keys: growth may add sub-filters within one call.
             keys = self._keys(layout.subfilters + spares)
             args = [*layout.args(), int(unique), *self._flat_hashes(part, layout.seed)]
@@ -313,16 +348,14 @@ class _FilterOps:
         return results
 
     def _info_op(self) -> Op:
-        for _ in range(MAX_RETRIES):
-            layout = self._layout
-            (reply,) = yield Round([Call("info", self._keys(layout.subfilters), layout.args())])
-            if not self._adopt(reply):
-                return self._make_info(self._layout, reply)
-        raise GuardError(f"{self.name}: layout kept changing during info")
+        """Script-free (it runs on a read-only replica): the probe reads every header."""
+        stored = yield from self._probe_op()
+        return self._make_info(self._layout, [fmt.unpack_header(s.header) for s in stored])
 
-    def _make_info(self, layout: Layout, reply: list[Any]) -> FilterInfo:
-        capacity, deletes, missed, eps_ppt = (int(x) for x in reply[2:6])
-        per_sub = [int(x) for x in reply[6:]]
+    def _make_info(self, layout: Layout, headers: list[fmt.Header]) -> FilterInfo:
+        first = headers[0]
+        capacity, deletes, missed = first.capacity, first.deletes, first.missed_deletes
+        per_sub = [h.items for h in headers]
         b = layout.bucket_size
         buckets = memory = 0
         miss_all = 1.0
@@ -348,7 +381,7 @@ class _FilterOps:
             load_factor=items / (buckets * b),
             memory_bytes=memory,
             error_rate=1 - miss_all,
-            target_error_rate=eps_ppt / 1e12 if eps_ppt else None,
+            target_error_rate=first.error_rate,
             deletes=deletes,
             missed_deletes=missed,
         )
@@ -360,10 +393,16 @@ class _FilterOps:
 
     def _promote_op(self, live: _FilterOps) -> Op:
         keys = live._keys(fmt.MAX_SUBFILTERS) + self._keys(fmt.MAX_SUBFILTERS)
-        yield Round([Call("promote", keys, [])])
-        live._layout = self._layout
-        self._layout = fmt.UNKNOWN_LAYOUT
-        return True
+        for _ in range(MAX_RETRIES):
+            if not self._layout.buckets0:
+                yield from self._probe_op()
+            (reply,) = yield Round([Call("promote", keys, self._layout.args())])
+            if reply != [scripts.STALE]:
+                live._layout = self._layout
+                self._layout = fmt.UNKNOWN_LAYOUT
+                return True
+            self._layout = fmt.UNKNOWN_LAYOUT
+        raise GuardError(f"{self.name}: layout kept changing during promote")
 
 
 def _plan(capacity: int, **params: Any) -> Layout:

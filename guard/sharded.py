@@ -49,8 +49,6 @@ from guard.filter import (
 from guard.hashing import shard_of, to_bytes
 
 MAX_SHARDS = 1024
-# Header reads of the shard check: magic, shard count, seed (docs/format.md, bytes 0, 18, 20).
-_SHARD_HEADER = ["GET", "u32", 0, "GET", "u16", fmt.SHARDS_BIT_OFFSET, "GET", "u32", 160]
 
 # One round per shard; each answer is the round's replies or the exception it raised.
 ShardOp = Generator[dict[int, Round], dict[int, Any], Any]
@@ -148,35 +146,43 @@ class _ShardedOps:
     # -- operations ----------------------------------------------------------------------
 
     def _open_op(self) -> ShardOp:
-        """Read every shard's header: all present, same seed, and made with this shard count."""
+        """Read every shard's sub-filter 0: all present, verified (guard/layout.py), same
+        seed, and made with this shard count. Read-only commands: fine on a replica."""
         answers = yield {
             i: Round(
-                [Command("BITFIELD", [h.key(0), *_SHARD_HEADER]), Command("EXISTS", [h.key(0)])]
+                [
+                    Command("EXISTS", [h.key(0)]),
+                    Command("GETRANGE", [h.key(0), 0, fmt.HEADER_BYTES - 1]),
+                    Command("STRLEN", [h.key(0)]),
+                    Command("GETRANGE", [h.key(0), -fmt.TAG_BYTES, -1]),
+                ],
+                atomic=True,
             )
             for i, h in enumerate(self._handles)
         }
         for answer in answers.values():
             if isinstance(answer, BaseException):
                 raise answer
-        present = [i for i in range(self.shards) if answers[i][1]]
+        present = [i for i in range(self.shards) if answers[i][0]]
         if not present:
             raise FilterNotFoundError(f"{self.name}: no such filter")
-        seeds = set()
+        seeds, recorded = set(), set()
         for i in present:
-            magic, stored, seed = answers[i][0]
-            if magic != fmt.MAGIC:
-                raise FilterCorruptError(f"{self.name}: bad magic in {self.key(i)}")
-            if stored != self.shards:
-                raise InvalidParameterError(
-                    f"{self.name}: the filter has {stored} shard(s); this handle was opened "
-                    f"with shards={self.shards}"
-                )
-            seeds.add(seed)
+            stored = fmt.Stored(self.key(i), *answers[i][1:])
+            seeds.add(fmt.verify_stored(self.name, [stored]).seed)
+            recorded.add(fmt.unpack_header(stored.header).shards)
+        if len(recorded) > 1:
+            raise FilterCorruptError(self.name, f"the shards record shard counts {recorded}")
+        if recorded != {self.shards}:
+            raise InvalidParameterError(
+                f"{self.name}: the filter has {recorded.pop()} shard(s); this handle was opened "
+                f"with shards={self.shards}"
+            )
         if len(present) < self.shards:
             missing = sorted(set(range(self.shards)) - set(present))
-            raise FilterCorruptError(f"{self.name}: shard(s) {missing} missing")
+            raise FilterCorruptError(self.name, f"shard(s) {missing} missing")
         if len(seeds) != 1:
-            raise FilterCorruptError(f"{self.name}: the shards have different seeds")
+            raise FilterCorruptError(self.name, "the shards have different seeds")
         self._seed = seeds.pop()
 
     def _items_op(
