@@ -31,7 +31,7 @@ MAX_EXPANSION = 16
 MAX_KICKS_LIMIT = 4000  # keeps the worst single insert far below Redis's 5 s busy-script limit
 MAX_CAPACITY = 1 << 40
 MAX_SHARDS = 1024
-MAX_ERROR_RATE_PPT = 10**12  # error_rate is stored × 10¹², below 1
+MAX_ERROR_RATE_PPT = 10**12  # error_rate is stored times 10**12, below 1
 # Load a table of each bucket size holds at its first failed insert with 500 kicks (median of
 # 5 seeds at ~100k slots: b=1 0.51, b=2 0.874, b=4 0.965, b=8 0.990; docs/bench-core.md), less
 # a margin so `capacity` items fit in a fixed-size filter.

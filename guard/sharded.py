@@ -48,7 +48,7 @@ from guard.filter import (
 )
 from guard.hashing import shard_of, to_bytes
 
-MAX_SHARDS = 1024
+MAX_SHARDS = fmt.MAX_SHARDS
 
 # One round per shard; each answer is the round's replies or the exception it raised.
 ShardOp = Generator[dict[int, Round], dict[int, Any], Any]
