@@ -144,6 +144,15 @@ def _snapshot(cf: SyncCuckooFilter) -> list[str]:
     return snaps
 
 
+def _read_stored(redis: Any, keys: list[str], names: list[str]) -> list[fmt.Stored]:
+    pipe = redis.pipeline(transaction=False)
+    for key in keys:
+        for command, args in fmt.probe_reads(key):
+            pipe.execute_command(command, *args)
+    replies = pipe.execute()
+    return [fmt.Stored(name, *replies[3 * n : 3 * n + 3]) for n, name in enumerate(names)]
+
+
 def _ranges(length: int, chunk: int) -> Iterator[tuple[int, int]]:
     for start in range(0, length, chunk):
         yield start, min(chunk, length - start)
@@ -162,14 +171,17 @@ def export_filter(
     redis = cf.redis
     snaps = _snapshot(cf)
     try:
-        layout, capacity, items = _parse_header(redis.getrange(snaps[0], 0, fmt.HEADER_BYTES - 1))
-        lengths = [int(redis.strlen(snaps[n])) for n in range(layout.subfilters)]
+        # Checked under the live keys' names: the snapshot's are nobody's business.
+        stored = _read_stored(redis, snaps[:1], [cf.key(0)])
+        layout = fmt.verify_stored(cf.name, stored)
+        names = [cf.key(n) for n in range(layout.subfilters)]
+        stored = _read_stored(redis, snaps[: layout.subfilters], names)
+        fmt.verify_stored(cf.name, stored)  # every sub-filter, as the probe checks them
+        headers = [fmt.unpack_header(s.header) for s in stored]
         # Items live in each sub-filter's own header (bytes 32..39).
-        pipe = redis.pipeline(transaction=False)
-        for n in range(1, layout.subfilters):
-            pipe.getrange(snaps[n], 32, 39)
-        items += sum(int.from_bytes(raw, "big", signed=True) for raw in pipe.execute())
-        header = DumpHeader(cf.name, layout, lengths, items, capacity)
+        items = sum(h.items for h in headers)
+        lengths = [s.length for s in stored]
+        header = DumpHeader(cf.name, layout, lengths, items, headers[0].capacity)
         try:
             header.check()
         except DumpError as exc:

@@ -46,11 +46,12 @@ MAX_RETRIES = 8
 
 
 class Call(NamedTuple):
-    """One EVALSHA of a guard script."""
+    """One EVALSHA of a guard script; EVALSHA_RO when ``read_only`` (it runs on a replica)."""
 
     script: str
     keys: list[str]
     args: list[Any]
+    read_only: bool = False
 
 
 class Command(NamedTuple):
@@ -175,6 +176,7 @@ class _FilterOps:
         self._base = f"{prefix}{{{tag}}}{_variant}"
         self._layout = fmt.UNKNOWN_LAYOUT
         self._read_command = "BITFIELD_RO"
+        self._read_scripts = True  # EVALSHA_RO for scripts that only read (Redis 7+)
 
     def key(self, n: int = 0) -> str:
         return self._base if n == 0 else f"{self._base}:{n}"
@@ -203,11 +205,7 @@ class _FilterOps:
         for _ in range(MAX_RETRIES):
             calls: list[Call | Command] = [Command("EXISTS", [self.key(0)])]
             for n in range(count):
-                calls += [
-                    Command("GETRANGE", [self.key(n), 0, fmt.HEADER_BYTES - 1]),
-                    Command("STRLEN", [self.key(n)]),
-                    Command("GETRANGE", [self.key(n), -fmt.TAG_BYTES, -1]),
-                ]
+                calls += [Command(*read) for read in fmt.probe_reads(self.key(n))]
             replies = yield Round(calls, atomic=True)
             if not replies[0]:
                 raise FilterNotFoundError(f"{self.name}: no such filter")
@@ -252,9 +250,21 @@ class _FilterOps:
             layout = self._layout
             flat = self._flat_hashes(data, layout.seed)
             keys = self._keys(layout.subfilters)
-            replies = yield Round(
-                [Call(script, keys, layout.args() + flat[2 * a : 2 * b]) for a, b in pending]
-            )
+            read_only = script == "count" and self._read_scripts
+            try:
+                replies = yield Round(
+                    [
+                        Call(script, keys, layout.args() + flat[2 * a : 2 * b], read_only)
+                        for a, b in pending
+                    ]
+                )
+            except ResponseError as exc:
+                # Redis 6.2 and fakeredis have no EVALSHA_RO; EVALSHA of a script that only
+                # reads runs on a replica all the same.
+                if read_only and "_ro" in str(exc).lower() and "unknown command" in str(exc):
+                    self._read_scripts = False
+                    continue
+                raise
             retry = []
             for (a, b), reply in zip(pending, replies, strict=True):
                 if self._adopt(reply):
@@ -474,7 +484,7 @@ class CuckooFilter(_FilterOps):
             # A SCRIPT FLUSH between the pipeline's script preload and its execution: those
             # calls did nothing, so they alone are sent again, as EVAL, which cannot miss.
             for k in _unloaded(replies):
-                replies[k] = await self.redis.eval(*_eval_args(rnd.calls[k]))
+                replies[k] = await self.redis.execute_command(*_eval_args(rnd.calls[k]))
         except ResponseError as exc:
             raise scripts.map_error(exc, self.name) from exc
         return _raise_first_error(replies, self.name)
@@ -483,13 +493,15 @@ class CuckooFilter(_FilterOps):
         try:
             return await self._send(call, self.redis)
         except NoScriptError:  # flushed again between redis-py's reload and its retry
-            return await self.redis.eval(*_eval_args(call))
+            return await self.redis.execute_command(*_eval_args(call))
 
     async def _send(self, call: Call | Command, client: Any) -> Any:
         if client is not self.redis:
             return _queue(call, self._scripts, client)
         if isinstance(call, Command):
             return await client.execute_command(call.name, *call.args)
+        if call.read_only:
+            return await client.execute_command(*_evalsha_args(call, self._scripts))
         return await self._scripts[call.script](keys=call.keys, args=call.args, client=client)
 
     def staging(self) -> CuckooFilter:
@@ -581,7 +593,7 @@ class SyncCuckooFilter(_FilterOps):
                 self._send(c, pipe)
             replies = pipe.execute(raise_on_error=False)
             for k in _unloaded(replies):
-                replies[k] = self.redis.eval(*_eval_args(rnd.calls[k]))
+                replies[k] = self.redis.execute_command(*_eval_args(rnd.calls[k]))
         except ResponseError as exc:
             raise scripts.map_error(exc, self.name) from exc
         return _raise_first_error(replies, self.name)
@@ -590,13 +602,15 @@ class SyncCuckooFilter(_FilterOps):
         try:
             return self._send(call, self.redis)
         except NoScriptError:
-            return self.redis.eval(*_eval_args(call))
+            return self.redis.execute_command(*_eval_args(call))
 
     def _send(self, call: Call | Command, client: Any) -> Any:
         if client is not self.redis:
             return _queue(call, self._scripts, client)
         if isinstance(call, Command):
             return client.execute_command(call.name, *call.args)
+        if call.read_only:
+            return client.execute_command(*_evalsha_args(call, self._scripts))
         return self._scripts[call.script](keys=call.keys, args=call.args, client=client)
 
     def staging(self) -> SyncCuckooFilter:
@@ -647,8 +661,16 @@ class SyncCuckooFilter(_FilterOps):
 
 
 def _eval_args(call: Call | Command) -> list[Any]:
+    """EVAL (EVAL_RO) of a call's script: what a NOSCRIPT reply is answered with."""
     assert isinstance(call, Call)
-    return [scripts.source(call.script), len(call.keys), *call.keys, *call.args]
+    command = "EVAL_RO" if call.read_only else "EVAL"
+    return [command, scripts.source(call.script), len(call.keys), *call.keys, *call.args]
+
+
+def _evalsha_args(call: Call, registered: dict[str, Any]) -> list[Any]:
+    command = "EVALSHA_RO" if call.read_only else "EVALSHA"
+    sha = registered[call.script].sha
+    return [command, sha, len(call.keys), *call.keys, *call.args]
 
 
 def _queue(call: Call | Command, registered: dict[str, Any], pipe: Any) -> None:
@@ -662,10 +684,9 @@ def _queue(call: Call | Command, registered: dict[str, Any], pipe: Any) -> None:
     if isinstance(call, Command):
         pipe.execute_command(call.name, *call.args)
         return
-    script = registered[call.script]
     if hasattr(pipe, "scripts"):
-        pipe.scripts.add(script)
-    pipe.execute_command("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
+        pipe.scripts.add(registered[call.script])
+    pipe.execute_command(*_evalsha_args(call, registered))
 
 
 def _unloaded(replies: list[Any]) -> list[int]:

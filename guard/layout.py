@@ -205,12 +205,22 @@ def unpack_table(data: bytes, buckets: int, bucket_size: int, fp_bits: int) -> l
 
 
 class Stored(NamedTuple):
-    """What a probe read of one sub-filter string (GETRANGE 0 63, STRLEN, GETRANGE -8 -1)."""
+    """What the probe read of one sub-filter string: the replies to ``probe_reads(key)``."""
 
     key: str
     header: bytes
     length: int
     tag: bytes
+
+
+def probe_reads(key: str) -> list[tuple[str, list[str | int]]]:
+    """The read-only commands (name, arguments) that read a sub-filter string for
+    verify_stored: its header, its length and its last 8 bytes, wherever they are."""
+    return [
+        ("GETRANGE", [key, 0, HEADER_BYTES - 1]),
+        ("STRLEN", [key]),
+        ("GETRANGE", [key, -TAG_BYTES, -1]),
+    ]
 
 
 # (field, byte offset, size, lowest, highest): every header field with a range of its own

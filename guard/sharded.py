@@ -152,9 +152,7 @@ class _ShardedOps:
             i: Round(
                 [
                     Command("EXISTS", [h.key(0)]),
-                    Command("GETRANGE", [h.key(0), 0, fmt.HEADER_BYTES - 1]),
-                    Command("STRLEN", [h.key(0)]),
-                    Command("GETRANGE", [h.key(0), -fmt.TAG_BYTES, -1]),
+                    *(Command(*read) for read in fmt.probe_reads(h.key(0))),
                 ],
                 atomic=True,
             )
@@ -518,7 +516,7 @@ class SyncShardedCuckooFilter(_ShardedOps):
             # NOSCRIPT (a cluster pipeline does not preload scripts, or a SCRIPT FLUSH raced
             # the preload): those calls did nothing, so they alone are sent again as EVAL.
             for k in _unloaded(replies):
-                replies[k] = self.redis.eval(*_eval_args(calls[k][1]))
+                replies[k] = self.redis.execute_command(*_eval_args(calls[k][1]))
         except ResponseError as exc:
             error = scripts.map_error(exc, self.name)
             return {i: error for i in rounds}
