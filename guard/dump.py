@@ -33,8 +33,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
+from redis.exceptions import ResponseError
+
 from guard import layout as fmt
-from guard.errors import FilterNotFoundError, GuardError
+from guard.errors import FilterCorruptError, FilterNotFoundError, GuardError
 from guard.filter import SyncCuckooFilter
 from guard.layout import Layout
 
@@ -140,16 +142,24 @@ def _snapshot(cf: SyncCuckooFilter) -> list[str]:
         pipe.pexpire(snap, SNAPSHOT_TTL_MS)
     replies = pipe.execute()
     if not replies[0]:
+        if any(replies[2::2]):  # what is left of a filter is no filter, but never "absent"
+            cf.redis.delete(*snaps)
+            raise FilterCorruptError(cf.name, f"{cf.key(0)} is missing")
         raise FilterNotFoundError(f"{cf.name}: no such filter")
     return snaps
 
 
-def _read_stored(redis: Any, keys: list[str], names: list[str]) -> list[fmt.Stored]:
+def _read_stored(redis: Any, name: str, keys: list[str], names: list[str]) -> list[fmt.Stored]:
     pipe = redis.pipeline(transaction=False)
     for key in keys:
         for command, args in fmt.probe_reads(key):
             pipe.execute_command(command, *args)
-    replies = pipe.execute()
+    replies = pipe.execute(raise_on_error=False)
+    for k, reply in enumerate(replies):
+        if isinstance(reply, ResponseError) and "WRONGTYPE" in str(reply):
+            raise FilterCorruptError(name, f"{names[k // 3]} holds another type")
+        if isinstance(reply, Exception):
+            raise reply
     return [fmt.Stored(name, *replies[3 * n : 3 * n + 3]) for n, name in enumerate(names)]
 
 
@@ -172,10 +182,10 @@ def export_filter(
     snaps = _snapshot(cf)
     try:
         # Checked under the live keys' names: the snapshot's are nobody's business.
-        stored = _read_stored(redis, snaps[:1], [cf.key(0)])
+        stored = _read_stored(redis, cf.name, snaps[:1], [cf.key(0)])
         layout = fmt.verify_stored(cf.name, stored)
         names = [cf.key(n) for n in range(layout.subfilters)]
-        stored = _read_stored(redis, snaps[: layout.subfilters], names)
+        stored = _read_stored(redis, cf.name, snaps[: layout.subfilters], names)
         fmt.verify_stored(cf.name, stored)  # every sub-filter, as the probe checks them
         headers = [fmt.unpack_header(s.header) for s in stored]
         # Items live in each sub-filter's own header (bytes 32..39).

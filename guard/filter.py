@@ -11,9 +11,10 @@ with no layout, so every call checks again and raises FilterCorruptError again.
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
@@ -151,6 +152,21 @@ def plan_layout(
     return Layout(bucket_size, bits, step, expansion, 1, max_kicks, buckets, seed)
 
 
+def _forgets_on_damage(make_op: Callable[..., Op]) -> Callable[..., Op]:
+    """An operation that meets damage leaves its handle with no layout: the bytes no longer
+    back the one it had, and the next call must verify the filter again, not trust it."""
+
+    @functools.wraps(make_op)
+    def op(self: _FilterOps, *args: Any, **kwargs: Any) -> Op:
+        try:
+            return (yield from make_op(self, *args, **kwargs))
+        except FilterCorruptError:
+            self._layout = fmt.UNKNOWN_LAYOUT
+            raise
+
+    return op
+
+
 class _FilterOps:
     """The operations, as generators of script calls. Shared by both client flavours."""
 
@@ -204,13 +220,16 @@ class _FilterOps:
         self._layout = fmt.UNKNOWN_LAYOUT  # nothing unverified is kept, even on failure
         for _ in range(MAX_RETRIES):
             calls: list[Call | Command] = [Command("EXISTS", [self.key(0)])]
+            calls.append(Command("EXISTS", [self.key(1)]))
             for n in range(count):
                 calls += [Command(*read) for read in fmt.probe_reads(self.key(n))]
             replies = yield Round(calls, atomic=True)
             if not replies[0]:
+                if replies[1]:  # what is left of a filter is no filter, but never "absent"
+                    raise FilterCorruptError(self.name, f"{self.key(0)} is missing")
                 raise FilterNotFoundError(f"{self.name}: no such filter")
             stored = [
-                fmt.Stored(self.key(n), *replies[1 + 3 * n : 4 + 3 * n]) for n in range(count)
+                fmt.Stored(self.key(n), *replies[2 + 3 * n : 5 + 3 * n]) for n in range(count)
             ]
             layout = fmt.verify_stored(self.name, stored)
             if layout.subfilters <= count:
@@ -237,6 +256,7 @@ class _FilterOps:
         self._layout = layout
         return (yield from self._info_op())
 
+    @_forgets_on_damage
     def _batch_op(self, script: str, items: Iterable[str | bytes], chunk: int = BATCH_CHUNK) -> Op:
         """count / delete: chunks are independent, so they go in one pipeline."""
         data = [to_bytes(x) for x in items]
@@ -274,6 +294,7 @@ class _FilterOps:
             pending = retry
         raise GuardError(f"{self.name}: layout kept changing during {script}")
 
+    @_forgets_on_damage
     def _lookup_op(self, data: list[bytes]) -> Op:
         """Script-free: one read command per sub-filter and chunk (guard/reads.py).
 
@@ -316,6 +337,7 @@ class _FilterOps:
             checked = self._layout
         raise GuardError(f"{self.name}: layout kept changing during lookup")
 
+    @_forgets_on_damage
     def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op:
         """Chunks run one after another: a full fixed-size filter stops at the first failure."""
         data = [to_bytes(x) for x in items]
@@ -401,6 +423,7 @@ class _FilterOps:
         self._layout = fmt.UNKNOWN_LAYOUT
         return bool(existed)
 
+    @_forgets_on_damage
     def _promote_op(self, live: _FilterOps) -> Op:
         keys = live._keys(fmt.MAX_SUBFILTERS) + self._keys(fmt.MAX_SUBFILTERS)
         for _ in range(MAX_RETRIES):

@@ -265,7 +265,7 @@ def _header_problem(header: bytes) -> str | None:
     if layout.fp_step and layout.fp_bits + last > MAX_FP_BITS:
         return f"subfilters {layout.subfilters} would need fingerprints over {MAX_FP_BITS} bits"
     if layout.string_bytes(last) > MAX_STRING_BYTES:
-        return f"sub-filter {last} would be larger than a Redis string"
+        return f"buckets0 {layout.buckets0} makes sub-filter {last} larger than a Redis string"
     return None
 
 

@@ -217,7 +217,10 @@ class _ShardedOps:
                     result = result.results
                 elif isinstance(result, BaseException):
                     if isinstance(result, FilterNotFoundError):
+                        # One shard gone is a damaged filter, all gone a dropped one: the
+                        # open check tells which (and raises it).
                         self._seed = None
+                        yield from self._open_op()
                     errors.append(result)
                     continue
                 for k, r in zip(idx, result, strict=True):

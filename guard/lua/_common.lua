@@ -124,6 +124,10 @@ local function check_layout(base)
   local key0 = KEYS[base + 1]
   local h0 = redis.call('GETRANGE', key0, 0, 63)
   if h0 == '' and redis.call('EXISTS', key0) == 0 then
+    -- What is left of a filter is no filter, but never "absent".
+    if KEYS[base + 2] and redis.call('EXISTS', KEYS[base + 2]) == 1 then
+      return guard_error('CORRUPT', key0 .. ' is missing')
+    end
     return guard_error('NOTFOUND', 'no such filter')
   end
   local problem = header_problem(h0)
