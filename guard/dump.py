@@ -11,7 +11,10 @@ The JSON header names the filter, its layout, the byte length of every sub-filte
 the item count. Export reads a snapshot: one MULTI/EXEC copies every sub-filter key to
 snapshot keys under the filter's hash tag (COPY is a memory copy on the server, so writers wait
 microseconds, and the copies cannot change while they are read in GETRANGE chunks); the copies
-carry a TTL so a crashed export cleans up after itself, and are deleted when done.
+carry a TTL so a crashed export cleans up after itself, and are deleted when done. A read-only
+replica refuses COPY: there every chunk of the live keys is read in one MULTI instead (the
+replica changes only by replication, so one transaction sees one instant). Every sub-filter
+is checked as the probe checks it (guard/layout.py:verify_stored) before a byte is written.
 
 Import reads the whole file once to check the checksum, every length and offset, and the
 sub-filter headers, before it writes anything. Then it writes the filter's staging copy (each

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import io
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ import fakeredis
 import pytest
 import redis
 import redis.asyncio as aioredis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from guard import (
@@ -101,39 +102,41 @@ def _forgot(handle: Any) -> None:
         assert handle._layout == fmt.UNKNOWN_LAYOUT, "kept a layout after reporting damage"
 
 
-def _check(case: Case, handle: Any, call: Callable[[], Any], verify: Callable[[Any], None]) -> bool:
-    """Run one operation: FilterCorruptError, or an answer ``verify`` accepts."""
+class _Outcome:
+    answered = False
+
+
+@contextmanager
+def _raises_or_answers(case: Case, handle: Any) -> Iterator[_Outcome]:
+    """One operation: FilterCorruptError (or not found, once every key is gone), or an
+    answer the block checks (``answered`` tells which)."""
     case.calls += 1
+    outcome = _Outcome()
     try:
-        answer = call()
+        yield outcome
     except FilterCorruptError as exc:
         assert exc.filter and exc.reason, exc  # names the filter and what is wrong
         case.corrupt += 1
         _forgot(handle)
-        return False
+        return
     except FilterNotFoundError:
         assert case.gone
-        return False
-    verify(answer)
-    return True
+        return
+    outcome.answered = True
+
+
+def _check(case: Case, handle: Any, call: Callable[[], Any], verify: Callable[[Any], None]) -> bool:
+    with _raises_or_answers(case, handle) as outcome:
+        verify(call())
+    return outcome.answered
 
 
 async def _acheck(
     case: Case, handle: Any, call: Callable[[], Awaitable[Any]], verify: Callable[[Any], None]
 ) -> bool:
-    case.calls += 1
-    try:
-        answer = await call()
-    except FilterCorruptError as exc:
-        assert exc.filter and exc.reason, exc
-        case.corrupt += 1
-        _forgot(handle)
-        return False
-    except FilterNotFoundError:
-        assert case.gone
-        return False
-    verify(answer)
-    return True
+    with _raises_or_answers(case, handle) as outcome:
+        verify(await call())
+    return outcome.answered
 
 
 def _found(found: list[bool] | bool) -> None:
@@ -285,6 +288,7 @@ def test_damaged_filter_raises_or_answers_right(
         fresh = lambda: handles.make_async(client)  # noqa: E731
         loop.run_until_complete(run_async(case, async_cached, fresh))
         loop.run_until_complete(run_async(case, fresh(), fresh))
+        event("damage reported" if case.corrupt else "damage harmless to every answer")
     finally:
         loop.run_until_complete(client.aclose())
         loop.close()
