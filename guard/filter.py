@@ -500,6 +500,11 @@ class CuckooFilter(_FilterOps):
         try:
             if len(rnd.calls) == 1 and not rnd.atomic:
                 return [await self._send_one(rnd.calls[0])]
+            if rnd.atomic:
+                # redis-py 8: a MULTI as an asyncio RedisCluster's first command sets up its
+                # connections outside the running loop, breaking every later call. Plain
+                # clients and set-up clusters return at once.
+                await self.redis.initialize()
             pipe = self.redis.pipeline(transaction=rnd.atomic)
             for c in rnd.calls:
                 await self._send(c, pipe)

@@ -153,6 +153,7 @@ class _ShardedOps:
                 [
                     Command("EXISTS", [h.key(0)]),
                     *(Command(*read) for read in fmt.probe_reads(h.key(0))),
+                    Command("EXISTS", [h.key(1)]),
                 ],
                 atomic=True,
             )
@@ -163,10 +164,12 @@ class _ShardedOps:
                 raise answer
         present = [i for i in range(self.shards) if answers[i][0]]
         if not present:
+            if any(answers[i][4] for i in range(self.shards)):  # sub-filters left: damage
+                raise FilterCorruptError(self.name, "every shard's sub-filter 0 is missing")
             raise FilterNotFoundError(f"{self.name}: no such filter")
         seeds, recorded = set(), set()
         for i in present:
-            stored = fmt.Stored(self.key(i), *answers[i][1:])
+            stored = fmt.Stored(self.key(i), *answers[i][1:4])
             seeds.add(fmt.verify_stored(self.name, [stored]).seed)
             recorded.add(fmt.unpack_header(stored.header).shards)
         if len(recorded) > 1:

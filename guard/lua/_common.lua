@@ -102,7 +102,9 @@ end
 -- What is wrong with the rest of sub-filter n (items, length, tag) under L, or nil.
 local function string_problem(key, h, n)
   local items = field(h, 32, 8)  -- a negative (signed) count reads above 2^63 here
-  if items > sf_buckets(n) * L.b then return 'items out of range' end
+  if items > sf_buckets(n) * L.b then
+    return string.format('items %.0f is out of range 0-%.0f', items, sf_buckets(n) * L.b)
+  end
   local len = redis.call('STRLEN', key)
   if len ~= sf_bytes(n) then
     return string.format('%s: %d bytes long, its header says %d',
@@ -114,6 +116,13 @@ local function string_problem(key, h, n)
   return nil
 end
 
+-- Sub-filter n's 64-byte header ('' when the key is missing); a key of another type is damage.
+local function read_header(key)
+  local h = redis.pcall('GETRANGE', key, 0, 63)
+  if type(h) == 'table' then return nil, guard_error('CORRUPT', key .. ' holds another type') end
+  return h, nil
+end
+
 -- The one check of the stored bytes every script runs first (docs/format.md, "Valid values"),
 -- on the filter whose sub-filter n is KEYS[base + n + 1]. Returns nil when every sub-filter is
 -- valid and laid out as L says, {STALE} when sub-filter 0's header is valid but holds another
@@ -122,7 +131,8 @@ end
 local function check_layout(base)
   base = base or 0
   local key0 = KEYS[base + 1]
-  local h0 = redis.call('GETRANGE', key0, 0, 63)
+  local h0, err = read_header(key0)
+  if err then return err end
   if h0 == '' and redis.call('EXISTS', key0) == 0 then
     -- What is left of a filter is no filter, but never "absent".
     if KEYS[base + 2] and redis.call('EXISTS', KEYS[base + 2]) == 1 then
@@ -140,7 +150,11 @@ local function check_layout(base)
   end
   for n = 0, L.nsub - 1 do
     local key = KEYS[base + n + 1]
-    local h = n == 0 and h0 or redis.call('GETRANGE', key, 0, 63)
+    local h = h0
+    if n > 0 then
+      h, err = read_header(key)
+      if err then return err end
+    end
     problem = (n > 0 and subfilter_problem(h, h0, n)) or string_problem(key, h, n)
     if problem then return guard_error('CORRUPT', key .. ': ' .. problem) end
   end
