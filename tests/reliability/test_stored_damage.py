@@ -45,9 +45,10 @@ GEOMETRIES: dict[str, tuple[dict[str, Any], int, int]] = {
     "sharded": ({"capacity": 60, "fingerprint_bits": 12}, 150, 2),
 }
 
+DAMAGE_KINDS = ["header", "tag", "truncate", "extend", "retype", "delete"]
 # (kind, which key, byte offset, byte value); the numbers are reduced to the filter at hand.
 DAMAGE = st.tuples(
-    st.sampled_from(["header", "tag", "truncate", "extend", "retype", "delete"]),
+    st.sampled_from(DAMAGE_KINDS),
     st.integers(0, 63),
     st.integers(0, 63),
     st.integers(0, 255),
@@ -327,3 +328,24 @@ def test_issue_13_header_damage(sync_redis: redis.Redis, prefix: str, damage: st
             fresh.lookup_many(items)
         with pytest.raises(FilterCorruptError, match=field):
             fresh.lookup("k1")
+
+
+@pytest.mark.parametrize("damage", DAMAGE_KINDS)
+def test_promote_refuses_a_damaged_staging_copy(
+    sync_redis: redis.Redis, prefix: str, damage: str
+) -> None:
+    """promote checks the staging copy as every script checks a filter: a damaged one raises
+    FilterCorruptError and the live filter stays as it was."""
+    live = SyncCuckooFilter(sync_redis, "f", prefix)
+    live.reserve(40, fingerprint_bits=8, bucket_size=2, seed=5)
+    assert all(live.insert_many(["old"]))
+    stage = live.staging()
+    stage.reserve(40, fingerprint_bits=8, bucket_size=2, seed=5)
+    items = [f"s{i}" for i in range(300)]
+    assert all(stage.insert_many(items))
+    keys = _keys(sync_redis, stage)
+    assert len(keys) > 2
+    _damage(sync_redis, keys, (damage, 1, 9, 0))  # sub-filter 1: a middle one
+    with pytest.raises(FilterCorruptError, match=r"\{f\}:staging:1"):
+        stage.promote()
+    assert live.lookup("old") and live.info().items == 1
