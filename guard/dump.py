@@ -11,7 +11,10 @@ The JSON header names the filter, its layout, the byte length of every sub-filte
 the item count. Export reads a snapshot: one MULTI/EXEC copies every sub-filter key to
 snapshot keys under the filter's hash tag (COPY is a memory copy on the server, so writers wait
 microseconds, and the copies cannot change while they are read in GETRANGE chunks); the copies
-carry a TTL so a crashed export cleans up after itself, and are deleted when done.
+carry a TTL so a crashed export cleans up after itself, and are deleted when done. A read-only
+replica refuses COPY: there every chunk of the live keys is read in one MULTI instead (the
+replica changes only by replication, so one transaction sees one instant). Every sub-filter
+is checked as the probe checks it (guard/layout.py:verify_stored) before a byte is written.
 
 Import reads the whole file once to check the checksum, every length and offset, and the
 sub-filter headers, before it writes anything. Then it writes the filter's staging copy (each
@@ -33,8 +36,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
+from redis.exceptions import ReadOnlyError, ResponseError
+
 from guard import layout as fmt
-from guard.errors import FilterNotFoundError, GuardError
+from guard.errors import FilterCorruptError, FilterNotFoundError, GuardError
 from guard.filter import SyncCuckooFilter
 from guard.layout import Layout
 
@@ -130,18 +135,67 @@ def _parse_header(data: bytes) -> tuple[Layout, int, int]:
 # -- export ---------------------------------------------------------------------------------
 
 
-def _snapshot(cf: SyncCuckooFilter) -> list[str]:
-    """Copy every sub-filter key to snapshot keys in one transaction; return their names."""
+def _snapshot(cf: SyncCuckooFilter) -> list[str] | None:
+    """Copy every sub-filter key to snapshot keys in one transaction; return their names.
+
+    None on a read-only replica, which refuses COPY (see _read_at_once)."""
     token = secrets.token_hex(8)
     snaps = [f"{cf.key(0)}:dump:{token}:{n}" for n in range(fmt.MAX_SUBFILTERS)]
     pipe = cf.redis.pipeline(transaction=True)
     for n, snap in enumerate(snaps):
         pipe.copy(cf.key(n), snap)
         pipe.pexpire(snap, SNAPSHOT_TTL_MS)
-    replies = pipe.execute()
+    try:
+        replies = pipe.execute()
+    except ReadOnlyError:
+        return None
     if not replies[0]:
+        if any(replies[2::2]):  # what is left of a filter is no filter, but never "absent"
+            cf.redis.delete(*snaps)
+            raise FilterCorruptError(cf.name, f"{cf.key(0)} is missing")
         raise FilterNotFoundError(f"{cf.name}: no such filter")
     return snaps
+
+
+def _read_stored(redis: Any, name: str, keys: list[str], names: list[str]) -> list[fmt.Stored]:
+    pipe = redis.pipeline(transaction=False)
+    for key in keys:
+        for command, args in fmt.probe_reads(key):
+            pipe.execute_command(command, *args)
+    replies = pipe.execute(raise_on_error=False)
+    for k, reply in enumerate(replies):
+        if isinstance(reply, ResponseError) and "WRONGTYPE" in str(reply):
+            raise FilterCorruptError(name, f"{names[k // 3]} holds another type")
+        if isinstance(reply, Exception):
+            raise reply
+    return [fmt.Stored(name, *replies[3 * n : 3 * n + 3]) for n, name in enumerate(names)]
+
+
+def _read_at_once(
+    redis: Any, name: str, stored: list[fmt.Stored], chunk: int
+) -> dict[tuple[int, int], bytes]:
+    """Every chunk of the live keys, {(sub-filter, offset): bytes}, read in one MULTI.
+
+    For a read-only replica: no snapshot can be made there, but it changes only by
+    replication, so one transaction sees one instant. It re-reads the headers, lengths and
+    tags in the same MULTI: the chunks belong to the filter that was verified.
+    """
+    keys = [s.key for s in stored]
+    wanted = [
+        (n, start, size) for n, s in enumerate(stored) for start, size in _ranges(s.length, chunk)
+    ]
+    pipe = redis.pipeline(transaction=True)
+    for key in keys:
+        for command, args in fmt.probe_reads(key):
+            pipe.execute_command(command, *args)
+    for n, start, size in wanted:
+        pipe.getrange(keys[n], start, start + size - 1)
+    replies = pipe.execute()
+    again = [fmt.Stored(key, *replies[3 * n : 3 * n + 3]) for n, key in enumerate(keys)]
+    if again != stored:
+        raise GuardError(f"{name}: the filter changed while reading it; try again")
+    data = replies[3 * len(keys) :]
+    return {(n, start): data[k] for k, (n, start, _) in enumerate(wanted)}
 
 
 def _ranges(length: int, chunk: int) -> Iterator[tuple[int, int]]:
@@ -161,15 +215,21 @@ def export_filter(
         raise ValueError(f"chunk_bytes must be 1-{MAX_CHUNK_BYTES}")
     redis = cf.redis
     snaps = _snapshot(cf)
+    live = [cf.key(n) for n in range(fmt.MAX_SUBFILTERS)]
+    source = snaps or live
     try:
-        layout, capacity, items = _parse_header(redis.getrange(snaps[0], 0, fmt.HEADER_BYTES - 1))
-        lengths = [int(redis.strlen(snaps[n])) for n in range(layout.subfilters)]
+        # Checked under the live keys' names: the snapshot's are nobody's business.
+        stored = _read_stored(redis, cf.name, source[:1], live[:1])
+        layout = fmt.verify_stored(cf.name, stored)
+        names = live[: layout.subfilters]
+        stored = _read_stored(redis, cf.name, source[: layout.subfilters], names)
+        fmt.verify_stored(cf.name, stored)  # every sub-filter, as the probe checks them
+        at_once = None if snaps else _read_at_once(redis, cf.name, stored, chunk_bytes)
+        headers = [fmt.unpack_header(s.header) for s in stored]
         # Items live in each sub-filter's own header (bytes 32..39).
-        pipe = redis.pipeline(transaction=False)
-        for n in range(1, layout.subfilters):
-            pipe.getrange(snaps[n], 32, 39)
-        items += sum(int.from_bytes(raw, "big", signed=True) for raw in pipe.execute())
-        header = DumpHeader(cf.name, layout, lengths, items, capacity)
+        items = sum(h.items for h in headers)
+        lengths = [s.length for s in stored]
+        header = DumpHeader(cf.name, layout, lengths, items, headers[0].capacity)
         try:
             header.check()
         except DumpError as exc:
@@ -189,8 +249,9 @@ def export_filter(
                 group = ranges[i : i + PIPELINE_CHUNKS]
                 pipe = redis.pipeline(transaction=False)
                 for start, size in group:
-                    pipe.getrange(snaps[n], start, start + size - 1)
-                for (start, size), data in zip(group, pipe.execute(), strict=True):
+                    pipe.getrange(source[n], start, start + size - 1)
+                replies = [at_once[n, s] for s, _ in group] if at_once else pipe.execute()
+                for (start, size), data in zip(group, replies, strict=True):
                     if len(data) != size:
                         raise GuardError(f"{cf.name}: snapshot changed while reading it")
                     write(_CHUNK.pack(n, start, size) + data)
@@ -201,7 +262,8 @@ def export_filter(
         out.write(digest.digest())
         return DumpSummary(cf.name, layout.subfilters, items, total, digest.hexdigest())
     finally:
-        redis.delete(*snaps)
+        if snaps:
+            redis.delete(*snaps)
 
 
 # -- import ---------------------------------------------------------------------------------

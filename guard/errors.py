@@ -38,4 +38,14 @@ class FilterFullError(GuardError):
 
 
 class FilterCorruptError(GuardError):
-    """The stored filter failed the scripts' header check (bad magic, truncated, wrong type)."""
+    """The stored filter's bytes are inconsistent (docs/format.md, "Valid values").
+
+    The message reads ``"<filter>: <reason>"``; ``filter`` and ``reason`` hold the two parts.
+    """
+
+    def __init__(self, filter: str, reason: str | None = None) -> None:
+        if reason is None:  # one preformatted "<filter>: <reason>" message
+            filter, _, reason = filter.partition(": ")
+        super().__init__(f"{filter}: {reason}")
+        self.filter = filter
+        self.reason = reason

@@ -3,15 +3,18 @@
 Each operation is written once, as a generator that yields the Redis calls it needs (script
 calls; plain reads for lookups) and gets their replies back; the async and sync classes only run
 those calls on their client. The handle caches the filter's layout and sends it with every call;
-a call that finds the stored header different answers STALE with the real one, and the
-operation retries with it.
+a call that finds the stored header different answers STALE, and the operation reads the
+stored filter again (the probe) and retries. A layout is adopted only after the probe has
+verified every sub-filter (guard/layout.py:verify_stored); a damaged filter leaves the handle
+with no layout, so every call checks again and raises FilterCorruptError again.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
@@ -24,6 +27,7 @@ from guard.coalesce import LookupCoalescer
 from guard.errors import (
     FilterCorruptError,
     FilterFullError,
+    FilterNotFoundError,
     GuardError,
     InvalidParameterError,
 )
@@ -43,11 +47,12 @@ MAX_RETRIES = 8
 
 
 class Call(NamedTuple):
-    """One EVALSHA of a guard script."""
+    """One EVALSHA of a guard script; EVALSHA_RO when ``read_only`` (it runs on a replica)."""
 
     script: str
     keys: list[str]
     args: list[Any]
+    read_only: bool = False
 
 
 class Command(NamedTuple):
@@ -147,6 +152,21 @@ def plan_layout(
     return Layout(bucket_size, bits, step, expansion, 1, max_kicks, buckets, seed)
 
 
+def _forgets_on_damage(make_op: Callable[..., Op]) -> Callable[..., Op]:
+    """An operation that meets damage leaves its handle with no layout: the bytes no longer
+    back the one it had, and the next call must verify the filter again, not trust it."""
+
+    @functools.wraps(make_op)
+    def op(self: _FilterOps, *args: Any, **kwargs: Any) -> Op:
+        try:
+            return (yield from make_op(self, *args, **kwargs))
+        except FilterCorruptError:
+            self._layout = fmt.UNKNOWN_LAYOUT
+            raise
+
+    return op
+
+
 class _FilterOps:
     """The operations, as generators of script calls. Shared by both client flavours."""
 
@@ -172,6 +192,7 @@ class _FilterOps:
         self._base = f"{prefix}{{{tag}}}{_variant}"
         self._layout = fmt.UNKNOWN_LAYOUT
         self._read_command = "BITFIELD_RO"
+        self._read_scripts = True  # EVALSHA_RO for scripts that only read (Redis 7+)
 
     def key(self, n: int = 0) -> str:
         return self._base if n == 0 else f"{self._base}:{n}"
@@ -180,13 +201,42 @@ class _FilterOps:
         return [self.key(n) for n in range(max(1, count))]
 
     def _adopt(self, reply: list[Any]) -> bool:
-        """Take the layout a STALE reply carries; True when the reply was STALE."""
+        """True when the reply was STALE: the handle forgets its layout, to probe again."""
         if reply[0] != scripts.STALE:
-            if reply[1] != self._layout.subfilters:
+            if reply[1] != self._layout.subfilters:  # this very call grew the filter
                 self._layout = replace(self._layout, subfilters=int(reply[1]))
             return False
-        self._layout = Layout.from_reply(reply[1:])
+        self._layout = fmt.UNKNOWN_LAYOUT
         return True
+
+    def _probe_op(self) -> Op:
+        """Read the stored filter with read-only commands, verify it, adopt its layout.
+
+        One MULTI reads each sub-filter's header, length and tag (as many sub-filters as the
+        handle last knew of; a second MULTI when sub-filter 0 counts more). Returns what was
+        read, one fmt.Stored per sub-filter.
+        """
+        count = max(1, self._layout.subfilters)
+        self._layout = fmt.UNKNOWN_LAYOUT  # nothing unverified is kept, even on failure
+        for _ in range(MAX_RETRIES):
+            calls: list[Call | Command] = [Command("EXISTS", [self.key(0)])]
+            calls.append(Command("EXISTS", [self.key(1)]))
+            for n in range(count):
+                calls += [Command(*read) for read in fmt.probe_reads(self.key(n))]
+            replies = yield Round(calls, atomic=True)
+            if not replies[0]:
+                if replies[1]:  # what is left of a filter is no filter, but never "absent"
+                    raise FilterCorruptError(self.name, f"{self.key(0)} is missing")
+                raise FilterNotFoundError(f"{self.name}: no such filter")
+            stored = [
+                fmt.Stored(self.key(n), *replies[2 + 3 * n : 5 + 3 * n]) for n in range(count)
+            ]
+            layout = fmt.verify_stored(self.name, stored)
+            if layout.subfilters <= count:
+                self._layout = layout
+                return stored[: layout.subfilters]
+            count = layout.subfilters
+        raise GuardError(f"{self.name}: layout kept changing while reading it")
 
     @staticmethod
     def _flat_hashes(data: Sequence[bytes], seed: int) -> list[int]:
@@ -206,6 +256,7 @@ class _FilterOps:
         self._layout = layout
         return (yield from self._info_op())
 
+    @_forgets_on_damage
     def _batch_op(self, script: str, items: Iterable[str | bytes], chunk: int = BATCH_CHUNK) -> Op:
         """count / delete: chunks are independent, so they go in one pipeline."""
         data = [to_bytes(x) for x in items]
@@ -214,23 +265,36 @@ class _FilterOps:
         for _ in range(MAX_RETRIES):
             if not pending:
                 return results
+            if not self._layout.buckets0:
+                yield from self._probe_op()
             layout = self._layout
-            # With no layout yet, one small call learns it instead of every chunk failing.
-            sending = pending if layout.buckets0 else pending[:1]
-            flat = self._flat_hashes(data, layout.seed) if layout.buckets0 else [0, 0] * len(data)
+            flat = self._flat_hashes(data, layout.seed)
             keys = self._keys(layout.subfilters)
-            replies = yield Round(
-                [Call(script, keys, layout.args() + flat[2 * a : 2 * b]) for a, b in sending]
-            )
-            retry = pending[len(sending) :]
-            for (a, b), reply in zip(sending, replies, strict=True):
+            read_only = script == "count" and self._read_scripts
+            try:
+                replies = yield Round(
+                    [
+                        Call(script, keys, layout.args() + flat[2 * a : 2 * b], read_only)
+                        for a, b in pending
+                    ]
+                )
+            except ResponseError as exc:
+                # Redis 6.2 and fakeredis have no EVALSHA_RO; EVALSHA of a script that only
+                # reads runs on a replica all the same.
+                if read_only and "_ro" in str(exc).lower() and "unknown command" in str(exc):
+                    self._read_scripts = False
+                    continue
+                raise
+            retry = []
+            for (a, b), reply in zip(pending, replies, strict=True):
                 if self._adopt(reply):
                     retry.append((a, b))
                 else:
                     results[a:b] = reply[2:]
-            pending = sorted(retry)
+            pending = retry
         raise GuardError(f"{self.name}: layout kept changing during {script}")
 
+    @_forgets_on_damage
     def _lookup_op(self, data: list[bytes]) -> Op:
         """Script-free: one read command per sub-filter and chunk (guard/reads.py).
 
@@ -244,7 +308,7 @@ class _FilterOps:
         for _ in range(MAX_RETRIES):
             layout = self._layout
             if not layout.buckets0:
-                yield from self._info_op()  # learns the layout, or raises not found
+                yield from self._probe_op()  # learns the layout, or raises
                 checked = self._layout
                 continue
             if seed != layout.seed:
@@ -266,13 +330,14 @@ class _FilterOps:
             except TagMismatch as bad:
                 if checked == layout:
                     # The headers hold this very layout, yet a tag disagrees: damaged.
-                    raise FilterCorruptError(f"{self.name}: bad tag in {bad.key}") from None
-            # Stale, gone or damaged: the info script checks every header and says which
+                    raise FilterCorruptError(self.name, f"bad tag in {bad.key}") from None
+            # Stale, gone or damaged: the probe checks every sub-filter and says which
             # (adopting the stored layout, or raising not found / corrupt).
-            yield from self._info_op()
+            yield from self._probe_op()
             checked = self._layout
         raise GuardError(f"{self.name}: layout kept changing during lookup")
 
+    @_forgets_on_damage
     def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op:
         """Chunks run one after another: a full fixed-size filter stops at the first failure."""
         data = [to_bytes(x) for x in items]
@@ -280,9 +345,11 @@ class _FilterOps:
         stale = spare_less = 0
         spares = 2
         while len(results) < len(data):
+            if not self._layout.buckets0:
+                yield from self._probe_op()
             layout = self._layout
             chunk = max(1, min(INSERT_CHUNK, KICK_BUDGET // max(1, layout.max_kicks)))
-            part = data[len(results) : len(results) + chunk] if layout.buckets0 else data[:0]
+            part = data[len(results) : len(results) + chunk]
             # Two spare keys: growth may add sub-filters within one call.
             keys = self._keys(layout.subfilters + spares)
             args = [*layout.args(), int(unique), *self._flat_hashes(part, layout.seed)]
@@ -313,16 +380,14 @@ class _FilterOps:
         return results
 
     def _info_op(self) -> Op:
-        for _ in range(MAX_RETRIES):
-            layout = self._layout
-            (reply,) = yield Round([Call("info", self._keys(layout.subfilters), layout.args())])
-            if not self._adopt(reply):
-                return self._make_info(self._layout, reply)
-        raise GuardError(f"{self.name}: layout kept changing during info")
+        """Script-free (it runs on a read-only replica): the probe reads every header."""
+        stored = yield from self._probe_op()
+        return self._make_info(self._layout, [fmt.unpack_header(s.header) for s in stored])
 
-    def _make_info(self, layout: Layout, reply: list[Any]) -> FilterInfo:
-        capacity, deletes, missed, eps_ppt = (int(x) for x in reply[2:6])
-        per_sub = [int(x) for x in reply[6:]]
+    def _make_info(self, layout: Layout, headers: list[fmt.Header]) -> FilterInfo:
+        first = headers[0]
+        capacity, deletes, missed = first.capacity, first.deletes, first.missed_deletes
+        per_sub = [h.items for h in headers]
         b = layout.bucket_size
         buckets = memory = 0
         miss_all = 1.0
@@ -348,7 +413,7 @@ class _FilterOps:
             load_factor=items / (buckets * b),
             memory_bytes=memory,
             error_rate=1 - miss_all,
-            target_error_rate=eps_ppt / 1e12 if eps_ppt else None,
+            target_error_rate=first.error_rate,
             deletes=deletes,
             missed_deletes=missed,
         )
@@ -358,12 +423,19 @@ class _FilterOps:
         self._layout = fmt.UNKNOWN_LAYOUT
         return bool(existed)
 
+    @_forgets_on_damage
     def _promote_op(self, live: _FilterOps) -> Op:
         keys = live._keys(fmt.MAX_SUBFILTERS) + self._keys(fmt.MAX_SUBFILTERS)
-        yield Round([Call("promote", keys, [])])
-        live._layout = self._layout
-        self._layout = fmt.UNKNOWN_LAYOUT
-        return True
+        for _ in range(MAX_RETRIES):
+            if not self._layout.buckets0:
+                yield from self._probe_op()
+            (reply,) = yield Round([Call("promote", keys, self._layout.args())])
+            if reply != [scripts.STALE]:
+                live._layout = self._layout
+                self._layout = fmt.UNKNOWN_LAYOUT
+                return True
+            self._layout = fmt.UNKNOWN_LAYOUT
+        raise GuardError(f"{self.name}: layout kept changing during promote")
 
 
 def _plan(capacity: int, **params: Any) -> Layout:
@@ -428,6 +500,11 @@ class CuckooFilter(_FilterOps):
         try:
             if len(rnd.calls) == 1 and not rnd.atomic:
                 return [await self._send_one(rnd.calls[0])]
+            if rnd.atomic:
+                # redis-py 8: a MULTI as an asyncio RedisCluster's first command sets up its
+                # connections outside the running loop, breaking every later call. Plain
+                # clients and set-up clusters return at once.
+                await self.redis.initialize()
             pipe = self.redis.pipeline(transaction=rnd.atomic)
             for c in rnd.calls:
                 await self._send(c, pipe)
@@ -435,7 +512,7 @@ class CuckooFilter(_FilterOps):
             # A SCRIPT FLUSH between the pipeline's script preload and its execution: those
             # calls did nothing, so they alone are sent again, as EVAL, which cannot miss.
             for k in _unloaded(replies):
-                replies[k] = await self.redis.eval(*_eval_args(rnd.calls[k]))
+                replies[k] = await self.redis.execute_command(*_eval_args(rnd.calls[k]))
         except ResponseError as exc:
             raise scripts.map_error(exc, self.name) from exc
         return _raise_first_error(replies, self.name)
@@ -444,13 +521,15 @@ class CuckooFilter(_FilterOps):
         try:
             return await self._send(call, self.redis)
         except NoScriptError:  # flushed again between redis-py's reload and its retry
-            return await self.redis.eval(*_eval_args(call))
+            return await self.redis.execute_command(*_eval_args(call))
 
     async def _send(self, call: Call | Command, client: Any) -> Any:
         if client is not self.redis:
             return _queue(call, self._scripts, client)
         if isinstance(call, Command):
             return await client.execute_command(call.name, *call.args)
+        if call.read_only:
+            return await client.execute_command(*_evalsha_args(call, self._scripts))
         return await self._scripts[call.script](keys=call.keys, args=call.args, client=client)
 
     def staging(self) -> CuckooFilter:
@@ -542,7 +621,7 @@ class SyncCuckooFilter(_FilterOps):
                 self._send(c, pipe)
             replies = pipe.execute(raise_on_error=False)
             for k in _unloaded(replies):
-                replies[k] = self.redis.eval(*_eval_args(rnd.calls[k]))
+                replies[k] = self.redis.execute_command(*_eval_args(rnd.calls[k]))
         except ResponseError as exc:
             raise scripts.map_error(exc, self.name) from exc
         return _raise_first_error(replies, self.name)
@@ -551,13 +630,15 @@ class SyncCuckooFilter(_FilterOps):
         try:
             return self._send(call, self.redis)
         except NoScriptError:
-            return self.redis.eval(*_eval_args(call))
+            return self.redis.execute_command(*_eval_args(call))
 
     def _send(self, call: Call | Command, client: Any) -> Any:
         if client is not self.redis:
             return _queue(call, self._scripts, client)
         if isinstance(call, Command):
             return client.execute_command(call.name, *call.args)
+        if call.read_only:
+            return client.execute_command(*_evalsha_args(call, self._scripts))
         return self._scripts[call.script](keys=call.keys, args=call.args, client=client)
 
     def staging(self) -> SyncCuckooFilter:
@@ -608,8 +689,16 @@ class SyncCuckooFilter(_FilterOps):
 
 
 def _eval_args(call: Call | Command) -> list[Any]:
+    """EVAL (EVAL_RO) of a call's script: what a NOSCRIPT reply is answered with."""
     assert isinstance(call, Call)
-    return [scripts.source(call.script), len(call.keys), *call.keys, *call.args]
+    command = "EVAL_RO" if call.read_only else "EVAL"
+    return [command, scripts.source(call.script), len(call.keys), *call.keys, *call.args]
+
+
+def _evalsha_args(call: Call, registered: dict[str, Any]) -> list[Any]:
+    command = "EVALSHA_RO" if call.read_only else "EVALSHA"
+    sha = registered[call.script].sha
+    return [command, sha, len(call.keys), *call.keys, *call.args]
 
 
 def _queue(call: Call | Command, registered: dict[str, Any], pipe: Any) -> None:
@@ -623,10 +712,9 @@ def _queue(call: Call | Command, registered: dict[str, Any], pipe: Any) -> None:
     if isinstance(call, Command):
         pipe.execute_command(call.name, *call.args)
         return
-    script = registered[call.script]
     if hasattr(pipe, "scripts"):
-        pipe.scripts.add(script)
-    pipe.execute_command("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
+        pipe.scripts.add(registered[call.script])
+    pipe.execute_command(*_evalsha_args(call, registered))
 
 
 def _unloaded(replies: list[Any]) -> list[int]:

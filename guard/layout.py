@@ -8,9 +8,12 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
+
+from guard.errors import FilterCorruptError
 
 MAGIC = 0x434B4744  # "CKGD"
 VERSION = 2
@@ -27,6 +30,8 @@ MIN_FP_BITS, MAX_FP_BITS = 4, 32
 MAX_EXPANSION = 16
 MAX_KICKS_LIMIT = 4000  # keeps the worst single insert far below Redis's 5 s busy-script limit
 MAX_CAPACITY = 1 << 40
+MAX_SHARDS = 1024
+MAX_ERROR_RATE_PPT = 10**12  # error_rate is stored times 10**12, below 1
 # Load a table of each bucket size holds at its first failed insert with 500 kicks (median of
 # 5 seeds at ~100k slots: b=1 0.51, b=2 0.874, b=4 0.965, b=8 0.990; docs/bench-core.md), less
 # a margin so `capacity` items fit in a fixed-size filter.
@@ -90,12 +95,6 @@ class Layout:
         # one they are, with the top bit set so the two kinds never match (32 fits in 7 bits).
         first = self.subfilters if n == 0 else 0x80 | n
         return bytes([first]) + self.digest + bytes([TRAILER])
-
-    @classmethod
-    def from_reply(cls, fields: list[int]) -> Layout:
-        # Order matches the STALE reply of the Lua prelude.
-        b, f0, step, exp, nsub, kicks, m0, seed = (int(x) for x in fields[:8])
-        return cls(b, f0, step, exp, nsub, kicks, m0, seed)
 
 
 UNKNOWN_LAYOUT = Layout(0, 0, 0, 0, 0, 0, 0, 0)
@@ -203,3 +202,117 @@ def unpack_table(data: bytes, buckets: int, bucket_size: int, fp_bits: int) -> l
     return [
         int(bits[k : k + fp_bits], 2) for k in range(0, buckets * bucket_size * fp_bits, fp_bits)
     ]
+
+
+class Stored(NamedTuple):
+    """What the probe read of one sub-filter string: the replies to ``probe_reads(key)``."""
+
+    key: str
+    header: bytes
+    length: int
+    tag: bytes
+
+
+def probe_reads(key: str) -> list[tuple[str, list[str | int]]]:
+    """The read-only commands (name, arguments) that read a sub-filter string for
+    verify_stored: its header, its length and its last 8 bytes, wherever they are."""
+    return [
+        ("GETRANGE", [key, 0, HEADER_BYTES - 1]),
+        ("STRLEN", [key]),
+        ("GETRANGE", [key, -TAG_BYTES, -1]),
+    ]
+
+
+# (field, byte offset, size, lowest, highest): every header field with a range of its own
+# (docs/format.md, "Valid values"); _common.lua:header_problem checks the same list.
+_RANGES = (
+    ("version", 4, 1, VERSION, VERSION),
+    ("bucket_size", 5, 1, 1, 8),
+    ("fp_bits", 6, 1, MIN_FP_BITS, MAX_FP_BITS),
+    ("fp_step", 7, 1, 0, 1),
+    ("expansion", 8, 1, 0, MAX_EXPANSION),
+    ("subfilters", 9, 1, 1, MAX_SUBFILTERS),
+    ("index", 10, 1, 0, 0),
+    ("flags", 11, 1, 0, 0),
+    ("buckets0", 12, 4, 1, 2**32 - 1),
+    ("max_kicks", 16, 2, 0, MAX_KICKS_LIMIT),
+    ("shards", 18, 2, 0, MAX_SHARDS),
+    ("capacity", 24, 8, 1, MAX_CAPACITY),
+    ("deletes", 40, 8, 0, 2**63 - 1),
+    ("missed_deletes", 48, 8, 0, 2**63 - 1),
+    ("error_rate", 56, 8, 0, MAX_ERROR_RATE_PPT - 1),
+)
+
+
+def _field(header: bytes, at: int, size: int) -> int:
+    return int.from_bytes(header[at : at + size], "big")
+
+
+def _header_problem(header: bytes) -> str | None:
+    """What is wrong with sub-filter 0's header on its own, or None."""
+    if len(header) < HEADER_BYTES or _field(header, 0, 4) != MAGIC:
+        return "bad magic"
+    for name, at, size, low, high in _RANGES:
+        value = _field(header, at, size)
+        if not low <= value <= high:
+            return f"{name} {value} is out of range {low}-{high}"
+    if header[5] not in BUCKET_SIZES:
+        return f"bucket_size {header[5]} is not one of {BUCKET_SIZES}"
+    layout = unpack_header(header).layout
+    last = layout.subfilters - 1
+    if last and not layout.expansion:
+        return f"subfilters {layout.subfilters} in a filter of fixed size (expansion 0)"
+    if layout.fp_step and layout.fp_bits + last > MAX_FP_BITS:
+        return f"subfilters {layout.subfilters} would need fingerprints over {MAX_FP_BITS} bits"
+    if layout.string_bytes(last) > MAX_STRING_BYTES:
+        return f"buckets0 {layout.buckets0} makes sub-filter {last} larger than a Redis string"
+    return None
+
+
+def _subfilter_problem(header: bytes, header0: bytes, n: int) -> str | None:
+    """What is wrong with sub-filter n's header (n >= 1), or None: it is sub-filter 0's
+    header as growth copied it, with its own index and item count, its own counters zero."""
+    if len(header) < HEADER_BYTES or _field(header, 0, 4) != MAGIC:
+        return "bad magic"
+    if header[9] != n or header[10] != n:
+        return f"holds sub-filter count {header[9]} and index {header[10]}, expected {n}"
+    same = (slice(0, 9), slice(11, 32), slice(56, 64))
+    if any(header[part] != header0[part] for part in same) or any(header[40:56]):
+        return "header disagrees with sub-filter 0's"
+    return None
+
+
+def _string_problem(layout: Layout, n: int, sub: Stored) -> str | None:
+    """Items, length and tag of sub-filter n against the layout, or None."""
+    items = _field(sub.header, 32, 8)
+    slots = layout.buckets(n) * layout.bucket_size
+    if items > slots:  # also every negative count: the field is a signed 64-bit integer
+        return f"items {items} is out of range 0-{slots}"
+    expected = layout.string_bytes(n)
+    if sub.length != expected:
+        how = "truncated" if sub.length < expected else "extended"
+        return f"{how}: {sub.length} bytes long, its header says {expected}"
+    if sub.tag != layout.tag(n):
+        return "bad tag (it disagrees with the header)"
+    return None
+
+
+def verify_stored(name: str, subs: Sequence[Stored]) -> Layout:
+    """The layout a stored filter holds, once every byte read agrees with the format.
+
+    ``subs[0]`` is sub-filter 0 (the probe reads as many as the caller has room for);
+    FilterCorruptError names the filter and what is wrong. When ``subs`` holds fewer strings
+    than sub-filter 0 counts, only those are checked: read the rest, call again.
+    """
+    first = subs[0]
+    problem = _header_problem(first.header)
+    if problem:
+        raise FilterCorruptError(name, f"{first.key}: {problem}")
+    layout = unpack_header(first.header).layout
+    for n, sub in enumerate(subs[: layout.subfilters]):
+        problem = (_subfilter_problem(sub.header, first.header, n) if n else None) or (
+            _string_problem(layout, n, sub)
+        )
+        if problem:
+            raise FilterCorruptError(name, f"{sub.key}: {problem}")
+    return layout

@@ -28,7 +28,6 @@ PIECES = {
     "count": ("_common", "_store"),
     "insert": ("_common", "_store"),
     "delete": ("_common", "_store"),
-    "info": ("_common",),
     "drop": ("_common",),
     "promote": ("_common",),
 }

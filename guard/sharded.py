@@ -48,9 +48,7 @@ from guard.filter import (
 )
 from guard.hashing import shard_of, to_bytes
 
-MAX_SHARDS = 1024
-# Header reads of the shard check: magic, shard count, seed (docs/format.md, bytes 0, 18, 20).
-_SHARD_HEADER = ["GET", "u32", 0, "GET", "u16", fmt.SHARDS_BIT_OFFSET, "GET", "u32", 160]
+MAX_SHARDS = fmt.MAX_SHARDS
 
 # One round per shard; each answer is the round's replies or the exception it raised.
 ShardOp = Generator[dict[int, Round], dict[int, Any], Any]
@@ -148,35 +146,44 @@ class _ShardedOps:
     # -- operations ----------------------------------------------------------------------
 
     def _open_op(self) -> ShardOp:
-        """Read every shard's header: all present, same seed, and made with this shard count."""
+        """Read every shard's sub-filter 0: all present, verified (guard/layout.py), same
+        seed, and made with this shard count. Read-only commands: fine on a replica."""
         answers = yield {
             i: Round(
-                [Command("BITFIELD", [h.key(0), *_SHARD_HEADER]), Command("EXISTS", [h.key(0)])]
+                [
+                    Command("EXISTS", [h.key(0)]),
+                    *(Command(*read) for read in fmt.probe_reads(h.key(0))),
+                    Command("EXISTS", [h.key(1)]),
+                ],
+                atomic=True,
             )
             for i, h in enumerate(self._handles)
         }
         for answer in answers.values():
             if isinstance(answer, BaseException):
                 raise answer
-        present = [i for i in range(self.shards) if answers[i][1]]
+        present = [i for i in range(self.shards) if answers[i][0]]
         if not present:
+            if any(answers[i][4] for i in range(self.shards)):  # sub-filters left: damage
+                raise FilterCorruptError(self.name, "every shard's sub-filter 0 is missing")
             raise FilterNotFoundError(f"{self.name}: no such filter")
-        seeds = set()
+        seeds, recorded = set(), set()
         for i in present:
-            magic, stored, seed = answers[i][0]
-            if magic != fmt.MAGIC:
-                raise FilterCorruptError(f"{self.name}: bad magic in {self.key(i)}")
-            if stored != self.shards:
-                raise InvalidParameterError(
-                    f"{self.name}: the filter has {stored} shard(s); this handle was opened "
-                    f"with shards={self.shards}"
-                )
-            seeds.add(seed)
+            stored = fmt.Stored(self.key(i), *answers[i][1:4])
+            seeds.add(fmt.verify_stored(self.name, [stored]).seed)
+            recorded.add(fmt.unpack_header(stored.header).shards)
+        if len(recorded) > 1:
+            raise FilterCorruptError(self.name, f"the shards record shard counts {recorded}")
+        if recorded != {self.shards}:
+            raise InvalidParameterError(
+                f"{self.name}: the filter has {recorded.pop()} shard(s); this handle was opened "
+                f"with shards={self.shards}"
+            )
         if len(present) < self.shards:
             missing = sorted(set(range(self.shards)) - set(present))
-            raise FilterCorruptError(f"{self.name}: shard(s) {missing} missing")
+            raise FilterCorruptError(self.name, f"shard(s) {missing} missing")
         if len(seeds) != 1:
-            raise FilterCorruptError(f"{self.name}: the shards have different seeds")
+            raise FilterCorruptError(self.name, "the shards have different seeds")
         self._seed = seeds.pop()
 
     def _items_op(
@@ -213,7 +220,10 @@ class _ShardedOps:
                     result = result.results
                 elif isinstance(result, BaseException):
                     if isinstance(result, FilterNotFoundError):
+                        # One shard gone is a damaged filter, all gone a dropped one: the
+                        # open check tells which (and raises it).
                         self._seed = None
+                        yield from self._open_op()
                     errors.append(result)
                     continue
                 for k, r in zip(idx, result, strict=True):
@@ -512,7 +522,7 @@ class SyncShardedCuckooFilter(_ShardedOps):
             # NOSCRIPT (a cluster pipeline does not preload scripts, or a SCRIPT FLUSH raced
             # the preload): those calls did nothing, so they alone are sent again as EVAL.
             for k in _unloaded(replies):
-                replies[k] = self.redis.eval(*_eval_args(calls[k][1]))
+                replies[k] = self.redis.execute_command(*_eval_args(calls[k][1]))
         except ResponseError as exc:
             error = scripts.map_error(exc, self.name)
             return {i: error for i in rounds}

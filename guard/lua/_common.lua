@@ -3,8 +3,8 @@
 -- KEYS[n + 1] is sub-filter n's string (KEYS[1] holds the header that counts).
 -- ARGV[1..9] is the caller's view of the layout: bucket_size, fp_bits, fp_step, expansion,
 -- subfilters, max_kicks, buckets0, seed, and the tag's 48-bit digest of them. The first thing
--- a script does is prove that view against the stored header and tags; a mismatch returns
--- {STALE, <stored layout>} and writes nothing.
+-- a script does is prove that view against the stored headers, lengths and tags
+-- (check_layout); a different layout returns {STALE} and writes nothing, damage an error.
 --
 -- Numbers: Lua 5.1 holds integers below 2^53 exactly in doubles, and math.fmod is exact,
 -- so every product below is kept under 2^53 and reduced with fmod (no `bit`: fakeredis has none).
@@ -47,77 +47,116 @@ local function guard_error(code, msg)
   return redis.error_reply('GUARD_' .. code .. ' ' .. msg)
 end
 
--- Appends to a BITFIELD argument list the reads that validate sub-filter n's header; the
--- caller may append slot reads after them, so one call both validates and reads (atomically).
-local function header_gets(n, args)
-  if n == 0 then
-    local gets = {{'u32', 0}, {'u8', 40}, {'u8', 48}, {'u8', 56}, {'u8', 64}, {'u8', 72},
-      {'u16', 128}, {'u32', 96}, {'u32', 160}, {'u8', 32}}
-    for _, g in ipairs(gets) do
-      args[#args + 1] = 'GET'; args[#args + 1] = g[1]; args[#args + 1] = g[2]
+-- Big-endian unsigned integer of `size` bytes at byte offset `at` of string s. Above 2^53 a
+-- double rounds, which the range checks below never need to tell apart.
+local function field(s, at, size)
+  local v = 0
+  for i = at + 1, at + size do v = v * 256 + string.byte(s, i) end
+  return v
+end
+
+-- {name, byte offset, size, lowest, highest}: every header field with a range of its own
+-- (docs/format.md, "Valid values"); guard/layout.py:_RANGES is the same list.
+local RANGES = {
+  {'version', 4, 1, VERSION, VERSION}, {'bucket_size', 5, 1, 1, 8}, {'fp_bits', 6, 1, 4, 32},
+  {'fp_step', 7, 1, 0, 1}, {'expansion', 8, 1, 0, 16}, {'subfilters', 9, 1, 1, MAX_SUBFILTERS},
+  {'index', 10, 1, 0, 0}, {'flags', 11, 1, 0, 0}, {'buckets0', 12, 4, 1, 2 ^ 32 - 1},
+  {'max_kicks', 16, 2, 0, 4000}, {'shards', 18, 2, 0, 1024}, {'capacity', 24, 8, 1, 2 ^ 40},
+  {'deletes', 40, 8, 0, 2 ^ 63 - 1}, {'missed_deletes', 48, 8, 0, 2 ^ 63 - 1},
+  {'error_rate', 56, 8, 0, 10 ^ 12 - 1},
+}
+local BUCKET_SIZES = {[1] = true, [2] = true, [4] = true, [8] = true}
+
+-- What is wrong with sub-filter 0's header h on its own, or nil.
+local function header_problem(h)
+  if #h < 64 or field(h, 0, 4) ~= MAGIC then return 'bad magic' end
+  for _, r in ipairs(RANGES) do
+    local v = field(h, r[2], r[3])
+    if v < r[4] or v > r[5] then
+      return string.format('%s %.0f is out of range %.0f-%.0f', r[1], v, r[4], r[5])
     end
-  else
-    args[#args + 1] = 'GET'; args[#args + 1] = 'u32'; args[#args + 1] = 0
-    args[#args + 1] = 'GET'; args[#args + 1] = 'u8'; args[#args + 1] = 80
   end
-  -- The tag in two u32 words: a double holds 32 bits exactly, not 64.
-  local tag = (sf_bytes(n) - TAG_BYTES) * 8
-  args[#args + 1] = 'GET'; args[#args + 1] = 'u32'; args[#args + 1] = tag
-  args[#args + 1] = 'GET'; args[#args + 1] = 'u32'; args[#args + 1] = tag + 32
-  return n == 0 and 12 or 4
+  if not BUCKET_SIZES[field(h, 5, 1)] then return 'bucket_size is not one of 1, 2, 4, 8' end
+  return nil
 end
 
-local function layout_known()
-  return L.m0 > 0 and L.nsub >= 1 and #KEYS >= L.nsub
-end
-
--- Sub-filter n's tag words against the tag L predicts (docs/format.md): nil, or the error.
-local function verify_tag(n, w1, w2)
-  if fmod(w2, 256) ~= TRAILER then return guard_error('CORRUPT', 'truncated: ' .. KEYS[n + 1]) end
-  local first = n == 0 and L.nsub or 128 + n
-  if w1 ~= first * 2 ^ 24 + floor(L.digest / 2 ^ 24) or w2 ~= fmod(L.digest, 2 ^ 24) * 256 + TRAILER then
-    return guard_error('CORRUPT', 'bad tag in ' .. KEYS[n + 1])
+-- What is wrong with sub-filter n's header h (n >= 1), or nil: sub-filter 0's header h0 as
+-- growth copied it, with its own index and item count and its other counters zero.
+local function subfilter_problem(h, h0, n)
+  if #h < 64 or field(h, 0, 4) ~= MAGIC then return 'bad magic' end
+  if field(h, 9, 1) ~= n or field(h, 10, 1) ~= n then return 'holds the index of another sub-filter' end
+  if h:sub(1, 9) ~= h0:sub(1, 9) or h:sub(12, 32) ~= h0:sub(12, 32) or h:sub(57, 64) ~= h0:sub(57, 64)
+    or h:sub(41, 56) ~= string.rep('\0', 16) then
+    return "header disagrees with sub-filter 0's"
   end
   return nil
 end
 
--- Checks the values header_gets() read. Returns nil when they match L, else the reply the
--- script must return: {STALE, <stored layout>} or an error.
-local function verify_header(n, r)
-  if n > 0 then
-    if r[1] ~= MAGIC or r[2] ~= n then return guard_error('CORRUPT', 'bad sub-filter ' .. KEYS[n + 1]) end
-    return verify_tag(n, r[3], r[4])
-  end
-  if r[1] ~= MAGIC then
-    if redis.call('EXISTS', KEYS[1]) == 0 then return guard_error('NOTFOUND', 'no such filter') end
-    return guard_error('CORRUPT', 'bad magic in ' .. KEYS[1])
-  end
-  if r[10] ~= VERSION then return guard_error('CORRUPT', 'unsupported format version') end
-  local mine = {L.b, L.f0, L.fstep, L.exp, L.nsub, L.kicks, L.m0, L.seed}
-  for k = 1, 8 do
-    if r[k + 1] ~= mine[k] then
-      return {STALE, r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]}
-    end
-  end
-  return verify_tag(0, r[11], r[12])
+-- The 8 bytes sub-filter n's string must end in under L (guard/layout.py: Layout.tag).
+local function expected_tag(n)
+  local digest = ''
+  for i = 5, 0, -1 do digest = digest .. string.char(fmod(floor(L.digest / 256 ^ i), 256)) end
+  return string.char(n == 0 and L.nsub or 128 + n) .. digest .. string.char(TRAILER)
 end
 
--- Validates every sub-filter's header, one call each. With no known layout (a new handle) it
--- only reads sub-filter 0's header, to answer STALE with it.
-local function check_layout()
-  if not layout_known() then
-    local r = redis.call('BITFIELD', KEYS[1], 'GET', 'u32', 0, 'GET', 'u8', 40, 'GET', 'u8', 48,
-      'GET', 'u8', 56, 'GET', 'u8', 64, 'GET', 'u8', 72, 'GET', 'u16', 128, 'GET', 'u32', 96,
-      'GET', 'u32', 160, 'GET', 'u8', 32)
-    local err = verify_header(0, r)  -- STALE: no layout matches an unknown one
-    if err then return err end
-    return {STALE, r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]}
+-- What is wrong with the rest of sub-filter n (items, length, tag) under L, or nil.
+local function string_problem(key, h, n)
+  local items = field(h, 32, 8)  -- a negative (signed) count reads above 2^63 here
+  if items > sf_buckets(n) * L.b then
+    return string.format('items %.0f is out of range 0-%.0f', items, sf_buckets(n) * L.b)
+  end
+  local len = redis.call('STRLEN', key)
+  if len ~= sf_bytes(n) then
+    return string.format('%s: %d bytes long, its header says %d',
+      len < sf_bytes(n) and 'truncated' or 'extended', len, sf_bytes(n))
+  end
+  if redis.call('GETRANGE', key, len - TAG_BYTES, len - 1) ~= expected_tag(n) then
+    return 'bad tag (it disagrees with the header)'
+  end
+  return nil
+end
+
+-- Sub-filter n's 64-byte header ('' when the key is missing); a key of another type is damage.
+local function read_header(key)
+  local h = redis.pcall('GETRANGE', key, 0, 63)
+  if type(h) == 'table' then return nil, guard_error('CORRUPT', key .. ' holds another type') end
+  return h, nil
+end
+
+-- The one check of the stored bytes every script runs first (docs/format.md, "Valid values"),
+-- on the filter whose sub-filter n is KEYS[base + n + 1]. Returns nil when every sub-filter is
+-- valid and laid out as L says, {STALE} when sub-filter 0's header is valid but holds another
+-- layout (the client then reads and verifies it: guard/layout.py:verify_stored), or an error.
+-- Only read-only commands: the check runs as well on a read-only replica.
+local function check_layout(base)
+  base = base or 0
+  local key0 = KEYS[base + 1]
+  local h0, err = read_header(key0)
+  if err then return err end
+  if h0 == '' and redis.call('EXISTS', key0) == 0 then
+    -- What is left of a filter is no filter, but never "absent".
+    if KEYS[base + 2] and redis.call('EXISTS', KEYS[base + 2]) == 1 then
+      return guard_error('CORRUPT', key0 .. ' is missing')
+    end
+    return guard_error('NOTFOUND', 'no such filter')
+  end
+  local problem = header_problem(h0)
+  if problem then return guard_error('CORRUPT', key0 .. ': ' .. problem) end
+  local stored = {field(h0, 5, 1), field(h0, 6, 1), field(h0, 7, 1), field(h0, 8, 1),
+    field(h0, 9, 1), field(h0, 16, 2), field(h0, 12, 4), field(h0, 20, 4)}
+  local mine = {L.b, L.f0, L.fstep, L.exp, L.nsub, L.kicks, L.m0, L.seed}
+  for k = 1, 8 do
+    if stored[k] ~= mine[k] or #KEYS < base + L.nsub then return {STALE} end
   end
   for n = 0, L.nsub - 1 do
-    local args = {'BITFIELD', KEYS[n + 1]}
-    header_gets(n, args)
-    local err = verify_header(n, redis.call(unpack(args)))
-    if err then return err end
+    local key = KEYS[base + n + 1]
+    local h = h0
+    if n > 0 then
+      h, err = read_header(key)
+      if err then return err end
+    end
+    problem = (n > 0 and subfilter_problem(h, h0, n)) or string_problem(key, h, n)
+    if problem then return guard_error('CORRUPT', key .. ': ' .. problem) end
   end
   return nil
 end

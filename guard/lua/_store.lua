@@ -4,6 +4,10 @@
 -- Per sub-filter tables are made on first use: most calls touch one sub-filter, and building
 -- them all up front was a measurable share of a lookup's cost.
 local cache, orig, dirty, item_delta = {}, {}, {}, {}
+-- The command load() reads buckets with: count.lua, which only reads, switches to BITFIELD_RO
+-- so that it runs on a read-only replica (BITFIELD is a write command even when it only GETs).
+local READ = 'BITFIELD'
+
 local function touch(n)
   if not cache[n] then cache[n] = {}; orig[n] = {}; dirty[n] = {}; item_delta[n] = 0 end
 end
@@ -11,7 +15,7 @@ end
 -- Reads buckets (list of indexes) of sub-filter n that are not cached, in one BITFIELD call.
 local function load(n, list)
   touch(n)
-  local args, want, seen = {'BITFIELD', KEYS[n + 1]}, {}, {}
+  local args, want, seen = {READ, KEYS[n + 1]}, {}, {}
   local ftype = 'u' .. sf_bits(n)
   for _, i in ipairs(list) do
     if not cache[n][i] and not seen[i] then

@@ -3,6 +3,9 @@
 -- Reply: {OK, subfilters, c1, c2, ...}; or {STALE, layout...}.
 local err = check_layout()
 if err then return err end
+-- fakeredis has no BITFIELD_RO; there, BITFIELD with only GETs reads the same.
+local probe = redis.pcall('BITFIELD_RO', KEYS[1], 'GET', 'u8', 0)
+if not (type(probe) == 'table' and probe.err) then READ = 'BITFIELD_RO' end
 
 local function matches(bkt, fp)
   local c = 0
