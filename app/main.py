@@ -21,35 +21,16 @@ from app.records import RebuildInProgress, RecordStore
 from app.redis_conn import open_redis
 from app.routes import dashboard, filters, health, records
 from app.routing import add_routes
-from app.settings import Settings
+from app.settings import Settings, describe, startup_problem, weak_api_key
 from guard.breaker import RedisBreaker
 from guard.errors import RedisUnreachable
 from guard.middleware import GuardMiddleware
 
 log = logging.getLogger("app")
 
+__all__ = ["ConfigError", "app", "create_app", "weak_api_key"]
+
 REBUILD_RETRY_S = 5.0
-
-MIN_API_KEY_CHARS = 16
-# Keys that show up in examples and .env templates; compared without case and punctuation.
-PLACEHOLDER_KEYS = frozenset(
-    {"changeme", "changeit", "secret", "default", "test", "testkey", "password", "apikey",
-     "yourapikey", "guardapikey", "example", "admin", "key", "token", "xxx"}
-)  # fmt: skip
-
-
-def weak_api_key(key: str) -> str | None:
-    """Why `key` is unfit for production (never quoting it), or None when it is fine."""
-    if not key:
-        return "it is empty"
-    folded = "".join(ch for ch in key.lower() if ch.isalnum())
-    if folded in PLACEHOLDER_KEYS or "changeme" in folded:
-        return "it is a placeholder"
-    if len(set(key)) < 4:
-        return "it repeats too few characters"
-    if len(key) < MIN_API_KEY_CHARS:
-        return f"it is shorter than {MIN_API_KEY_CHARS} characters"
-    return None
 
 
 def _records_filter(scope: Any) -> Any:
@@ -87,15 +68,37 @@ async def _rebuild_until_done(store: RecordStore) -> None:
             continue
 
 
+class ConfigError(RuntimeError):
+    """GUARD_* settings the service cannot start with (the message is one line)."""
+
+
+class ConfigErrorGate:
+    """Fails the lifespan start-up with the one-line ``problem``, so uvicorn prints that line
+    and exits non-zero, instead of the traceback Starlette would send it."""
+
+    def __init__(self, app: Any, problem: str) -> None:
+        self.app = app
+        self.problem = problem
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        await receive()  # lifespan.startup
+        await send({"type": "lifespan.startup.failed", "message": self.problem})
+        raise ConfigError(self.problem)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
-    settings_error: ValidationError | None = None
+    problem: str | None = None
     if settings is None:
         try:
             settings = Settings()
         except ValidationError as exc:
             # Importing app.main must never fail: report bad settings when the app starts.
-            settings_error = exc
+            problem = describe(exc)
             settings = Settings.model_construct()
+    problem = problem or startup_problem(settings)
     cfg = settings
     metrics = Metrics()
     # One window for the one Redis: a failed guard lookup spares the cache read after it.
@@ -105,12 +108,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         if not logging.getLogger().handlers:  # leave a host's logging setup alone
             logging.basicConfig(level=cfg.log_level, format="%(levelname)s %(name)s: %(message)s")
-        if settings_error is not None:
-            raise RuntimeError(f"invalid GUARD_* settings: {settings_error}")
-        if cfg.env == "production":
-            weak = weak_api_key(cfg.api_key.get_secret_value())
-            if weak:
-                raise RuntimeError(f"GUARD_ENV=production needs a real GUARD_API_KEY: {weak}")
         async with AsyncExitStack() as stack:
             redis = await stack.enter_async_context(open_redis(cfg))
             db = await open_database(cfg.database_url, cfg.db_latency_ms)
@@ -158,6 +155,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, guarded_route="/records/{key}")
+    if problem is not None:
+        app.add_middleware(ConfigErrorGate, problem=problem)
     return app
 
 

@@ -11,12 +11,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from app.settings import Settings
+from app.settings import MEMORY_URL, Settings
 from guard.connect import connect_async, is_cluster_url
 
 log = logging.getLogger(__name__)
-
-MEMORY_URL = "memory://"
 
 
 def _client_options(settings: Settings) -> dict[str, Any]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -14,6 +17,7 @@ from app.deps import NAME_PATTERN
 from app.main import create_app
 from app.settings import Settings
 from tests.app.conftest import AUTH, Service, StartService
+from tests.redis_server import free_port
 
 
 class TestSettings:
@@ -71,6 +75,48 @@ class TestSettings:
                 create_app(settings), startup_timeout=30, shutdown_timeout=30
             ):
                 pass
+
+
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        (
+            {"GUARD_REDIS_URL": "foo://bar"},
+            "invalid setting GUARD_REDIS_URL: got 'foo://bar'; it accepts redis://, rediss://, "
+            "unix://, redis-cluster://, rediss-cluster://, memory:// or empty (the embedded "
+            "Redis)",
+        ),
+        (
+            {
+                "GUARD_ENV": "production",
+                "GUARD_API_KEY": "change-me",
+                "GUARD_REDIS_URL": "memory://",
+            },
+            "GUARD_API_KEY: GUARD_ENV=production needs a real key (it is a placeholder); it "
+            "accepts 16+ characters that are not a placeholder such as 'change-me'",
+        ),
+        (
+            {"GUARD_FAIL_OPEN": "banana"},
+            "invalid setting GUARD_FAIL_OPEN: Input should be a valid boolean, unable to "
+            "interpret input (got 'banana')",
+        ),
+    ],
+)
+def test_uvicorn_reports_config_errors_in_one_line(
+    env: dict[str, str], line: str, tmp_path: Path
+) -> None:
+    """`uvicorn app.main:app` with a bad setting: that one line, no traceback, non-zero exit
+    (the same line `guard serve` prints; tests/cli checks that one)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
+    run = subprocess.run(
+        [sys.executable, "-m", "uvicorn", "app.main:app", "--port", str(free_port())],
+        env={**base, "GUARD_DATA_DIR": str(tmp_path), **env},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "Traceback" not in run.stderr
+    errors = [x for x in run.stderr.splitlines() if x.startswith("ERROR:")]
+    assert errors == [f"ERROR:    {line}", "ERROR:    Application startup failed. Exiting."]
 
 
 @pytest.mark.parametrize("backend", ["embedded"])
