@@ -6,9 +6,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from importlib.resources import files
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 
 from app import errors
@@ -31,6 +35,11 @@ log = logging.getLogger("app")
 __all__ = ["ConfigError", "app", "create_app", "weak_api_key"]
 
 REBUILD_RETRY_S = 5.0
+
+# Swagger UI and ReDoc as the fastapi-offline package ships them: /docs works offline (FastAPI's
+# defaults load them from a CDN).
+DOCS_ASSETS = "/docs-assets"
+DOCS_FILES = files("fastapi_offline") / "static"
 
 
 def _records_filter(scope: Any) -> Any:
@@ -138,11 +147,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         summary="Cuckoo filters in Redis, and a guard that stops requests for absent keys",
         lifespan=lifespan,
+        docs_url=None,  # served by _add_docs, from the package
+        redoc_url=None,
     )
     app.state.settings = cfg
     app.state.metrics = metrics
     errors.install(app, cfg.retry_after)
     add_routes(app, (health.router, filters.router, records.router, dashboard.router))
+    _add_docs(app)
     # Added innermost first: metrics see every answer, then the body limit, then the guard.
     app.add_middleware(
         GuardMiddleware,
@@ -158,6 +170,32 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if problem is not None:
         app.add_middleware(ConfigErrorGate, problem=problem)
     return app
+
+
+def _add_docs(app: FastAPI) -> None:
+    """/docs and /redoc with their JavaScript, CSS and icon served from DOCS_ASSETS."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(DOCS_FILES)), name="docs-assets")
+    title = f"{app.title} - API"
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=title,
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=title,
+            redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
+            redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+            with_google_fonts=False,
+        )
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:
