@@ -112,6 +112,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics()
     # One window for the one Redis: a failed guard lookup spares the cache read after it.
     breaker = RedisBreaker(cfg.redis_cooldown)
+    history = dashboard.History()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -125,6 +126,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if seeded:
                 log.info("seeded %d demo records", seeded)
             metrics.bind_queries(lambda: db.queries)
+            sampler = asyncio.create_task(
+                dashboard.sample(history, lambda: dashboard.counters(metrics, db))
+            )
+            stack.push_async_callback(_cancel, sampler)
             store = RecordStore(redis, db, cfg, metrics, breaker)
             if cfg.rebuild_on_startup and not await _rebuild_once(store):
                 task = asyncio.create_task(_rebuild_until_done(store))
@@ -152,6 +157,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = cfg
     app.state.metrics = metrics
+    app.state.dashboard_history = history
     errors.install(app, cfg.retry_after)
     add_routes(app, (health.router, filters.router, records.router, dashboard.router))
     _add_docs(app)

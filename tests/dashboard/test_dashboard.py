@@ -7,7 +7,9 @@ Never skipped: without Chromium the browser test fails and says what to install
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from asgi_lifespan import LifespanManager
 
 from app.cli.service import stop_process, wait_healthy
 from app.main import create_app
+from app.routes.dashboard import HISTORY_SECONDS, History, sample
 from app.settings import Settings
 from tests.redis_server import free_port
 
@@ -47,7 +50,54 @@ async def test_page_and_json_are_served(tmp_path: Path) -> None:
             assert data["stats"]["blocked"] == 1 and data["stats"]["passed"] == 1
             assert [f["name"] for f in data["filters"]] == ["records"]
             assert data["filters"][0]["items"] == 10
-            assert data["history"][-1]["blocked"] == 1
+            assert data["window_s"] == HISTORY_SECONDS
+            history = app.state.dashboard_history
+            assert history.samples  # the lifespan's sampler took the first one at start-up
+
+
+class TestHistory:
+    """The server-side series behind the chart."""
+
+    def test_rates_between_samples(self) -> None:
+        """Per-second rates of each counter, at the later sample's time."""
+        h = History(seconds=60, every=1.0)
+        h.add(100.0, {"blocked": 0, "passed": 0, "db_queries": 0})
+        h.add(101.0, {"blocked": 30, "passed": 2, "db_queries": 1})
+        h.add(103.0, {"blocked": 40, "passed": 2, "db_queries": 1})
+        assert h.rates() == [
+            {"t": 101.0, "blocked": 30.0, "passed": 2.0, "db_queries": 1.0},
+            {"t": 103.0, "blocked": 5.0, "passed": 0.0, "db_queries": 0.0},
+        ]
+
+    def test_gap_becomes_nulls(self) -> None:
+        """Samples further apart than a few intervals (the sampler did not run) give nulls, so
+        the chart breaks the line instead of drawing one straight across the gap."""
+        h = History(seconds=600, every=1.0)
+        for t, n in ((0.0, 0), (1.0, 10), (61.0, 20), (62.0, 25)):
+            h.add(t, {"blocked": n, "passed": n, "db_queries": n})
+        assert [r["blocked"] for r in h.rates()] == [10.0, None, 5.0]
+        assert h.rates()[1] == {"t": 61.0, "blocked": None, "passed": None, "db_queries": None}
+
+    def test_bounded_to_the_window(self) -> None:
+        """Only the last `seconds` are kept, however long the service runs."""
+        h = History(seconds=10, every=1.0)
+        for t in range(100):
+            h.add(float(t), {"blocked": t, "passed": 0, "db_queries": 0})
+        assert [s["t"] for s in h.samples] == [float(t) for t in range(89, 100)]
+
+    async def test_sampler_runs_without_viewers(self) -> None:
+        """`sample` adds samples by itself, no request needed."""
+        h = History(seconds=60, every=0.01)
+        reads = iter(range(1000))
+        task = asyncio.create_task(
+            sample(h, lambda: dict.fromkeys(("blocked", "passed", "db_queries"), next(reads)))
+        )
+        try:
+            while len(h.samples) < 3:
+                await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+        assert [s["blocked"] for s in h.samples][:3] == [0.0, 1.0, 2.0]
 
 
 @pytest.fixture
@@ -133,7 +183,7 @@ def test_page_in_chromium_shows_live_numbers(served: str) -> None:
         assert text("saved") == str(blocked)
         wait.until(
             lambda _: browser.execute_script(  # type: ignore[attr-defined]
-                js % "getAttribute('points')", "#chart polyline[data-series=blocked]"
+                js % "getAttribute('d')", "#chart path[data-series=blocked]"
             )
         )
         if os.environ.get("GUARD_DASHBOARD_SCREENSHOT"):
@@ -165,5 +215,35 @@ def test_api_docs_render_offline(served: str, page: str) -> None:
         html = browser.page_source  # type: ignore[attr-defined]
         assert "/filters/{name}" in html
         assert "cdn.jsdelivr.net" not in html
+    finally:
+        browser.quit()  # type: ignore[attr-defined]
+
+
+def test_chart_has_points_on_first_open(served: str) -> None:
+    """Traffic while nobody watches, then the page is opened: its first view already charts
+    that traffic (the service sampled it), with labelled axes and the filters' capacity."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with httpx.Client(base_url=served) as client:
+        for i in range(100):
+            client.get(f"/records/ghost-{i}")
+    time.sleep(2.5)  # let the sampler take samples after the traffic; nothing polled meanwhile
+    browser = chrome()
+    try:
+        browser.get(f"{served}/?interval=600000")  # type: ignore[attr-defined]  # one poll only
+        text = lambda i: browser.find_element(By.ID, i).text  # type: ignore[attr-defined]  # noqa: E731
+        WebDriverWait(browser, 15).until(lambda _: text("status") == "live")
+        line = browser.execute_script(  # type: ignore[attr-defined]
+            "const e = document.querySelector('#chart [data-series=blocked]');"
+            "return e.getAttribute('d') || e.getAttribute('points') || ''"
+        )
+        assert len(re.findall(r"[\d.]+,[\d.]+", line)) >= 2, line  # a line needs two points
+        chart = text("chart")
+        assert "per second" in chart and "time (minutes ago)" in chart and "now" in chart
+        headers = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#filters th")]  # type: ignore[attr-defined]
+        assert headers[2:4] == ["capacity", "sub-filters"]
+        row = browser.find_element(By.CSS_SELECTOR, "#filters tr[data-filter=records]").text  # type: ignore[attr-defined]
+        assert row.split()[:2] == ["records", "(records)"]
     finally:
         browser.quit()  # type: ignore[attr-defined]
