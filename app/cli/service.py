@@ -183,12 +183,7 @@ async def _traffic(
                 if live:
                     view.update(render(), refresh=True)
                 else:
-                    s = snap.stats or {}
-                    console.print(
-                        f"{tally.requests:,} requests, {s.get('blocked', tally.blocked):,} "
-                        f"blocked, {s.get('passed', tally.passed):,} passed, "
-                        f"{s.get('db_queries', '?')} database queries"
-                    )
+                    console.print(traffic.progress_line(tally, snap), markup=False)
 
             try:
                 await traffic.run(
@@ -282,7 +277,7 @@ def demo(
     s = snap.stats or {}
     if tally.requests == 0 or not s:
         raise RuntimeError("the demo sent no request successfully")
-    saved = s.get("blocked", 0)
+    saved = tally.blocked  # this run's; the demo's own service counts nothing else
     console.print(
         f"\n{tally.requests:,} requests in {tally.elapsed:.1f} s; the filter blocked "
         f"{saved:,} reads of keys that do not exist, sparing the database {saved:,} queries "
