@@ -181,13 +181,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 def _add_docs(app: FastAPI) -> None:
     """/docs and /redoc with their JavaScript, CSS and icon served from DOCS_ASSETS."""
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(DOCS_FILES)), name="docs-assets")
-    title = f"{app.title} - API"
+    page: dict[str, Any] = {
+        "openapi_url": app.openapi_url or "/openapi.json",
+        "title": f"{app.title} - API",
+    }
 
     @app.get("/docs", include_in_schema=False)
     async def swagger_ui() -> HTMLResponse:
         return get_swagger_ui_html(
-            openapi_url=app.openapi_url or "/openapi.json",
-            title=title,
+            **page,
             swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
             swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
             swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
@@ -196,8 +198,7 @@ def _add_docs(app: FastAPI) -> None:
     @app.get("/redoc", include_in_schema=False)
     async def redoc() -> HTMLResponse:
         return get_redoc_html(
-            openapi_url=app.openapi_url or "/openapi.json",
-            title=title,
+            **page,
             redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
             redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png",
             with_google_fonts=False,

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -18,6 +15,7 @@ from app.main import create_app
 from app.settings import Settings
 from tests.app.conftest import AUTH, Service, StartService
 from tests.redis_server import free_port
+from tests.served import clean_env, run_module
 
 
 class TestSettings:
@@ -107,11 +105,9 @@ def test_uvicorn_reports_config_errors_in_one_line(
 ) -> None:
     """`uvicorn app.main:app` with a bad setting: that one line, no traceback, non-zero exit
     (the same line `guard serve` prints; tests/cli checks that one)."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
-    run = subprocess.run(
-        [sys.executable, "-m", "uvicorn", "app.main:app", "--port", str(free_port())],
-        env={**base, "GUARD_DATA_DIR": str(tmp_path), **env},
-        capture_output=True, text=True, timeout=60,
+    run = run_module(
+        "uvicorn", "app.main:app", "--port", str(free_port()),
+        env=clean_env(GUARD_DATA_DIR=str(tmp_path), **env),
     )  # fmt: skip
     assert run.returncode != 0
     assert "Traceback" not in run.stderr

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ from app.cli import cli
 from app.settings import Settings
 from guard import SyncCuckooFilter, SyncShardedCuckooFilter
 from tests.redis_server import free_port
+from tests.served import clean_env, run_module
 
 runner = CliRunner()
 COMMANDS = ["serve", "demo", "attack", "create", "info", "list", "check", "drop", "load", "export",
@@ -110,11 +108,9 @@ class TestFilters:
     ) -> None:
         """`guard serve` names the setting and what it accepts, before uvicorn starts (a
         process with a deadline: without the check it would start serving)."""
-        base = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
-        run = subprocess.run(
-            [sys.executable, "-m", "app.cli", "serve", "--port", str(free_port())],
-            env={**base, "GUARD_DATA_DIR": str(tmp_path), **env},
-            capture_output=True, text=True, timeout=60,
+        run = run_module(
+            "app.cli", "serve", "--port", str(free_port()),
+            env=clean_env(GUARD_DATA_DIR=str(tmp_path), **env),
         )  # fmt: skip
         assert_one_line_error(run.returncode, run.stderr, match=match)
         if "URL" in match:
@@ -294,12 +290,7 @@ class TestWhere:
 
     def test_default_data_dir_is_per_user(self, tmp_path: Path) -> None:
         """Without GUARD_DATA_DIR: the user's XDG data directory, not ./data."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
-        env["XDG_DATA_HOME"] = str(tmp_path / "xdg")
-        run = subprocess.run(
-            [sys.executable, "-m", "app.cli", "where"],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        run = run_module("app.cli", "where", env=clean_env(XDG_DATA_HOME=str(tmp_path / "xdg")))
         assert run.returncode == 0, run.stderr
         assert f"data in {tmp_path / 'xdg' / 'cuckoo-guard' / 'redis.rdb'}" in run.stdout
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from app.cli.service import stop_process, wait_healthy
-from tests.redis_server import free_port
+from tests.served import clean_env, guard_serve, run_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,28 +74,14 @@ def test_demo_with_redis_down_fails_in_one_line(tmp_path: Path) -> None:
 def test_attack_log_lines_tell_this_run_from_server_totals(tmp_path: Path) -> None:
     """Off a terminal, `guard attack` logs lines that label this run's counts and the server's
     totals (which include every earlier client) apart."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
-    env |= {"GUARD_REDIS_URL": "memory://", "GUARD_DATA_DIR": str(tmp_path)}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"],
-        env=env, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(server, url, 30)
-        with httpx.Client(base_url=url) as client:
-            earlier = sum(
-                client.get(f"/records/earlier-{i}").headers["x-guard"] == "blocked"
-                for i in range(50)
-            )
-        run = subprocess.run(
-            [sys.executable, "-m", "app.cli", "attack", "--url", url, "--duration", "1",
-             "--rate", "40"],
-            env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-    finally:
-        stop_process(server)
+    env = clean_env(GUARD_REDIS_URL="memory://", GUARD_DATA_DIR=str(tmp_path))
+    with guard_serve(env) as url, httpx.Client(base_url=url) as client:
+        earlier = sum(
+            client.get(f"/records/earlier-{i}").headers["x-guard"] == "blocked" for i in range(50)
+        )
+        run = run_module(
+            "app.cli", "attack", "--url", url, "--duration", "1", "--rate", "40", env=env
+        )
     assert run.returncode == 0, run.stderr
     line = re.compile(
         r"^this run: ([\d,]+) requests, ([\d,]+) blocked, [\d,]+ passed; "

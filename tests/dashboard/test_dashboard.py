@@ -11,8 +11,6 @@ import asyncio
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,11 +19,10 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
-from app.cli.service import stop_process, wait_healthy
 from app.main import create_app
 from app.routes.dashboard import HISTORY_SECONDS, History, sample
 from app.settings import Settings
-from tests.redis_server import free_port
+from tests.served import clean_env, guard_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = "install it: apt-get install -y chromium chromium-driver"
@@ -102,23 +99,13 @@ class TestHistory:
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
-    env |= {
-        "GUARD_REDIS_URL": "memory://",
-        "GUARD_DATABASE_URL": f"sqlite:///{tmp_path}/records.db",
-        "GUARD_DEMO_RECORDS": "200",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"],
-        env=env, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, 30)
+    env = clean_env(
+        GUARD_REDIS_URL="memory://",
+        GUARD_DATABASE_URL=f"sqlite:///{tmp_path}/records.db",
+        GUARD_DEMO_RECORDS="200",
+    )
+    with guard_serve(env) as url:
         yield url
-    finally:
-        stop_process(proc, grace=20)
 
 
 def chrome() -> object:
