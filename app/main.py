@@ -7,9 +7,13 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from functools import partial
+from importlib.resources import files
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 
 from app import errors
@@ -22,35 +26,21 @@ from app.records import RebuildInProgress, RecordStore
 from app.redis_conn import open_redis
 from app.routes import dashboard, filters, health, records
 from app.routing import add_routes
-from app.settings import Settings
+from app.settings import Settings, describe, startup_problem, weak_api_key
 from guard.breaker import RedisBreaker
 from guard.errors import RedisUnreachable
 from guard.middleware import GuardMiddleware
 
 log = logging.getLogger("app")
 
+__all__ = ["ConfigError", "app", "create_app", "weak_api_key"]
+
 REBUILD_RETRY_S = 5.0
 
-MIN_API_KEY_CHARS = 16
-# Keys that show up in examples and .env templates; compared without case and punctuation.
-PLACEHOLDER_KEYS = frozenset(
-    {"changeme", "changeit", "secret", "default", "test", "testkey", "password", "apikey",
-     "yourapikey", "guardapikey", "example", "admin", "key", "token", "xxx"}
-)  # fmt: skip
-
-
-def weak_api_key(key: str) -> str | None:
-    """Why `key` is unfit for production (never quoting it), or None when it is fine."""
-    if not key:
-        return "it is empty"
-    folded = "".join(ch for ch in key.lower() if ch.isalnum())
-    if folded in PLACEHOLDER_KEYS or "changeme" in folded:
-        return "it is a placeholder"
-    if len(set(key)) < 4:
-        return "it repeats too few characters"
-    if len(key) < MIN_API_KEY_CHARS:
-        return f"it is shorter than {MIN_API_KEY_CHARS} characters"
-    return None
+# Swagger UI and ReDoc as the fastapi-offline package ships them: /docs works offline (FastAPI's
+# defaults load them from a CDN).
+DOCS_ASSETS = "/docs-assets"
+DOCS_FILES = files("fastapi_offline") / "static"
 
 
 def _records_filter(scope: Any) -> Any:
@@ -88,30 +78,47 @@ async def _rebuild_until_done(store: RecordStore) -> None:
             continue
 
 
+class ConfigError(RuntimeError):
+    """GUARD_* settings the service cannot start with (the message is one line)."""
+
+
+class ConfigErrorGate:
+    """Fails the lifespan start-up with the one-line ``problem``, so uvicorn prints that line
+    and exits non-zero, instead of the traceback Starlette would send it."""
+
+    def __init__(self, app: Any, problem: str) -> None:
+        self.app = app
+        self.problem = problem
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        await receive()  # lifespan.startup
+        await send({"type": "lifespan.startup.failed", "message": self.problem})
+        raise ConfigError(self.problem)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
-    settings_error: ValidationError | None = None
+    problem: str | None = None
     if settings is None:
         try:
             settings = Settings()
         except ValidationError as exc:
             # Importing app.main must never fail: report bad settings when the app starts.
-            settings_error = exc
+            problem = describe(exc)
             settings = Settings.model_construct()
+    problem = problem or startup_problem(settings)
     cfg = settings
     metrics = Metrics()
     # One window for the one Redis: a failed guard lookup spares the cache read after it.
     breaker = RedisBreaker(cfg.redis_cooldown)
+    history = dashboard.History()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         if not logging.getLogger().handlers:  # leave a host's logging setup alone
             logging.basicConfig(level=cfg.log_level, format="%(levelname)s %(name)s: %(message)s")
-        if settings_error is not None:
-            raise RuntimeError(f"invalid GUARD_* settings: {settings_error}")
-        if cfg.env == "production":
-            weak = weak_api_key(cfg.api_key.get_secret_value())
-            if weak:
-                raise RuntimeError(f"GUARD_ENV=production needs a real GUARD_API_KEY: {weak}")
         async with AsyncExitStack() as stack:
             clients = await stack.enter_async_context(open_redis(cfg))
             redis = clients.main
@@ -121,6 +128,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if seeded:
                 log.info("seeded %d demo records", seeded)
             metrics.bind_queries(lambda: db.queries)
+            sampler = asyncio.create_task(
+                dashboard.sample(history, lambda: dashboard.counters(metrics, db))
+            )
+            stack.push_async_callback(_cancel, sampler)
             store = RecordStore(redis, db, cfg, metrics, breaker, clients.admin)
             if cfg.rebuild_on_startup and not await _rebuild_once(store):
                 task = asyncio.create_task(_rebuild_until_done(store))
@@ -144,11 +155,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         summary="Cuckoo filters in Redis, and a guard that stops requests for absent keys",
         lifespan=lifespan,
+        docs_url=None,  # served by _add_docs, from the package
+        redoc_url=None,
     )
     app.state.settings = cfg
     app.state.metrics = metrics
+    app.state.dashboard_history = history
     errors.install(app, cfg.retry_after)
     add_routes(app, (health.router, filters.router, records.router, dashboard.router))
+    _add_docs(app)
     # Added innermost first: metrics see every answer, then the body limit, then the guard.
     app.add_middleware(
         GuardMiddleware,
@@ -162,7 +177,36 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, guarded_route="/records/{key}")
+    if problem is not None:
+        app.add_middleware(ConfigErrorGate, problem=problem)
     return app
+
+
+def _add_docs(app: FastAPI) -> None:
+    """/docs and /redoc with their JavaScript, CSS and icon served from DOCS_ASSETS."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(DOCS_FILES)), name="docs-assets")
+    page: dict[str, Any] = {
+        "openapi_url": app.openapi_url or "/openapi.json",
+        "title": f"{app.title} - API",
+    }
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(
+            **page,
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(
+            **page,
+            redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
+            redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+            with_google_fonts=False,
+        )
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

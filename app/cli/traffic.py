@@ -123,6 +123,21 @@ async def run(
         await asyncio.gather(*workers, return_exceptions=True)
 
 
+def progress_line(tally: Tally, snap: Snapshot) -> str:
+    """One line for a log: this run's own answers, then the server's totals (which count
+    every client since the service started), each labelled as such."""
+    line = (
+        f"this run: {tally.requests:,} requests, {tally.blocked:,} blocked, {tally.passed:,} passed"
+    )
+    s = snap.stats
+    if s is not None:
+        line += (
+            f"; server totals: {s.get('blocked', 0):,} blocked, {s.get('passed', 0):,} passed, "
+            f"{s.get('db_queries', 0):,} database queries"
+        )
+    return line
+
+
 def table(tally: Tally, snap: Snapshot, db_latency_ms: float, title: str) -> Table:
     """The live table: requests, blocked, passed, database queries and queries saved, and the
     observed false-positive rate next to the filter's own estimate."""
@@ -132,27 +147,33 @@ def table(tally: Tally, snap: Snapshot, db_latency_ms: float, title: str) -> Tab
     t.add_column("", style="dim")
     s = snap.stats or {}
     rps = tally.requests / tally.elapsed
+    t.add_row("this run", "", "what this client sent and saw")
     t.add_row("requests", f"{tally.requests:,}", f"{rps:,.0f}/s")
     t.add_row("  legitimate reads", f"{tally.legit:,}", f"{tally.found:,} found")
     t.add_row("  random keys (attack)", f"{tally.attack:,}", "")
-    t.add_row("blocked by the filter", f"{s.get('blocked', tally.blocked):,}", "404, no DB query")
-    t.add_row("passed to the app", f"{s.get('passed', tally.passed):,}", "")
-    if snap.stats is not None:
-        queries = s.get("db_queries", 0)
-        hits = s.get("cache_hits", 0)
-        t.add_row("database queries", f"{queries:,}", f"{hits:,} cache hits")
-        saved = s.get("blocked", 0)
-        note = f"{saved * db_latency_ms / 1000:,.1f} s of DB time" if db_latency_ms else ""
-        t.add_row("database queries saved", f"{saved:,}", note)
+    t.add_row("blocked by the filter", f"{tally.blocked:,}", "404, no DB query")
+    t.add_row("passed to the app", f"{tally.passed:,}", "")
     observed = tally.attack_passed / tally.attack if tally.attack else 0.0
     t.add_row(
         "false positives (observed)",
         f"{observed:.2e}",
         f"{tally.attack_passed} of {tally.attack:,}",
     )
+    if snap.stats is not None:
+        # The server counts every client since it started: kept apart from this run's rows.
+        t.add_section()
+        t.add_row("server totals", "", "all clients, since the service started")
+        t.add_row("blocked", f"{s.get('blocked', 0):,}", f"{s.get('passed', 0):,} passed")
+        queries = s.get("db_queries", 0)
+        hits = s.get("cache_hits", 0)
+        t.add_row("database queries", f"{queries:,}", f"{hits:,} cache hits")
+        saved = s.get("blocked", 0)
+        note = f"{saved * db_latency_ms / 1000:,.1f} s of DB time" if db_latency_ms else ""
+        t.add_row("database queries saved", f"{saved:,}", note)
     if snap.filter is not None:
         f = snap.filter
         target = f.get("target_error_rate")
+        t.add_section()
         t.add_row(
             "false-positive rate (estimate)",
             f"{f.get('error_rate', 0.0):.2e}",

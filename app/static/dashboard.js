@@ -4,7 +4,6 @@
 
 const params = new URLSearchParams(location.search);
 const INTERVAL_MS = Math.max(200, Number(params.get("interval")) || 2000);
-const WINDOW_S = 300; // the chart shows the last five minutes
 const SERIES = [
   ["blocked", "var(--blocked)"],
   ["passed", "var(--passed)"],
@@ -20,49 +19,63 @@ const size = (n) => {
   return (i ? n.toFixed(1) : String(n)) + " " + units[i];
 };
 
-// Per-second rates between consecutive samples.
-function rates(history, key) {
-  const out = [];
-  for (let i = 1; i < history.length; i += 1) {
-    const dt = history[i].t - history[i - 1].t;
-    if (dt > 0) out.push([history[i].t, Math.max(0, history[i][key] - history[i - 1][key]) / dt]);
-  }
-  return out;
+// The chart: per-second rates the service sampled (null = not sampled: a gap in the line).
+const W = 800, H = 260, LEFT = 56, RIGHT = 10, TOP = 10, BOTTOM = 36;
+const ns = "http://www.w3.org/2000/svg";
+
+function el(name, attrs, text) {
+  const node = document.createElementNS(ns, name);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  if (text !== undefined) node.textContent = text;
+  return node;
 }
 
-function drawChart(history) {
+function drawChart(data) {
   const svg = $("chart");
-  const W = 800, H = 240;
-  const lines = SERIES.map(([key, color]) => [key, color, rates(history, key)]);
-  const now = history.length ? history[history.length - 1].t : Date.now() / 1000;
-  const t0 = now - WINDOW_S;
+  const rates = data.rates;
+  const windowS = data.window_s;
+  const now = data.time;
+  const pw = W - LEFT - RIGHT, ph = H - TOP - BOTTOM;
   let max = 1;
-  for (const [, , pts] of lines) for (const [, v] of pts) max = Math.max(max, v);
-  const ns = "http://www.w3.org/2000/svg";
+  for (const r of rates) for (const [key] of SERIES) if (r[key] !== null) max = Math.max(max, r[key]);
+  const x = (t) => LEFT + ((t - (now - windowS)) / windowS) * pw;
+  const y = (v) => TOP + ph - (v / max) * ph;
   svg.replaceChildren();
-  for (let g = 1; g < 4; g += 1) {
-    const y = (H * g) / 4;
-    const line = document.createElementNS(ns, "line");
-    line.setAttribute("class", "grid");
-    line.setAttribute("x1", "0"); line.setAttribute("x2", String(W));
-    line.setAttribute("y1", String(y)); line.setAttribute("y2", String(y));
-    svg.appendChild(line);
+  for (let g = 0; g <= 4; g += 1) {  // y axis: requests per second
+    const v = (max * g) / 4;
+    svg.appendChild(el("line", { class: g ? "grid" : "axis", x1: LEFT, x2: W - RIGHT, y1: y(v), y2: y(v) }));
+    svg.appendChild(el("text", { x: LEFT - 6, y: y(v) + 4, "text-anchor": "end" },
+      v >= 10 ? fmt(Math.round(v)) : v.toFixed(1)));
   }
-  for (const [key, color, pts] of lines) {
-    const poly = document.createElementNS(ns, "polyline");
-    poly.setAttribute("data-series", key);
-    poly.style.stroke = color;
-    poly.setAttribute("points", pts
-      .map(([t, v]) => `${((t - t0) / WINDOW_S * W).toFixed(1)},${(H - (v / max) * (H - 4)).toFixed(1)}`)
-      .join(" "));
-    svg.appendChild(poly);
+  const stepS = windowS / 5;
+  for (let i = 0; i <= 5; i += 1) {  // x axis: minutes before now
+    const ago = windowS - i * stepS;
+    const t = now - ago;
+    svg.appendChild(el("line", { class: "axis", x1: x(t), x2: x(t), y1: TOP + ph, y2: TOP + ph + 4 }));
+    svg.appendChild(el("text", { x: x(t), y: TOP + ph + 16, "text-anchor": "middle" },
+      ago ? `-${(ago / 60).toFixed(ago % 60 ? 1 : 0)} min` : "now"));
+  }
+  svg.appendChild(el("text", { x: LEFT + pw / 2, y: H - 4, "text-anchor": "middle" }, "time (minutes ago)"));
+  svg.appendChild(el("text", { x: 12, y: TOP + ph / 2, "text-anchor": "middle",
+    transform: `rotate(-90 12 ${TOP + ph / 2})` }, "per second"));
+  for (const [key, color] of SERIES) {
+    // A null starts a new segment ("M"): a time without samples is left blank.
+    let d = "", pen = "M";
+    for (const r of rates) {
+      if (r[key] === null || r.t < now - windowS) { pen = "M"; continue; }
+      d += `${pen}${x(r.t).toFixed(1)},${y(r[key]).toFixed(1)} `;
+      pen = "L";
+    }
+    const path = el("path", { "data-series": key, d: d.trim() });
+    path.style.stroke = color;
+    svg.appendChild(path);
   }
   $("chart-max").textContent = `top: ${fmt(Math.round(max))}/s`;
 }
 
-function lastRate(history, key) {
-  const r = rates(history, key);
-  return r.length ? r[r.length - 1][1] : 0;
+function lastRate(rates, key) {
+  for (let i = rates.length - 1; i >= 0; i -= 1) if (rates[i][key] !== null) return rates[i][key];
+  return 0;
 }
 
 function render(data) {
@@ -73,13 +86,13 @@ function render(data) {
   $("saved").textContent = fmt(s.blocked);
   const dbTime = (s.blocked * data.db_latency_ms) / 1000;
   $("saved-note").textContent = data.db_latency_ms ? `${dbTime.toFixed(1)} s of database time` : "one per blocked read";
-  $("blocked-rate").textContent = `${lastRate(data.history, "blocked").toFixed(1)}/s`;
-  $("passed-rate").textContent = `${lastRate(data.history, "passed").toFixed(1)}/s`;
-  $("db-rate").textContent = `${lastRate(data.history, "db_queries").toFixed(1)}/s`;
+  $("blocked-rate").textContent = `${lastRate(data.rates, "blocked").toFixed(1)}/s`;
+  $("passed-rate").textContent = `${lastRate(data.rates, "passed").toFixed(1)}/s`;
+  $("db-rate").textContent = `${lastRate(data.rates, "db_queries").toFixed(1)}/s`;
   $("negative-hits").textContent = `${fmt(s.negative_cache_hits)} negative`;
   const passed = s.passed || 0;
   $("fp-rate").textContent = passed ? `${((100 * s.false_positives) / passed).toFixed(2)} % of passed` : "";
-  drawChart(data.history);
+  drawChart(data);
 
   const body = $("filters").tBodies[0];
   body.replaceChildren();
@@ -92,8 +105,11 @@ function render(data) {
   for (const f of data.filters) {
     const row = body.insertRow();
     row.dataset.filter = f.name;
+    // Capacity now, growth included (f.capacity is what the filter was created for).
+    const slots = f.buckets * f.bucket_size;
     const cells = [f.name + (f.name === data.records_filter ? " (records)" : ""), fmt(f.items),
-      fmt(f.capacity), f.load_factor.toFixed(3), size(f.memory_bytes), f.error_rate.toExponential(1)];
+      fmt(slots), String(f.subfilters), f.load_factor.toFixed(3), size(f.memory_bytes),
+      f.error_rate.toExponential(1)];
     for (const text of cells) row.insertCell().textContent = text;
   }
   if (!data.filters.length) body.insertRow().insertCell().textContent = "no filters yet";

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -107,3 +108,22 @@ def run_blocks(blocks: list[str], server: str, tmp_path: Path) -> None:
         )  # fmt: skip
         assert run.returncode == 0, f"{block}\n{run.stderr}"
         assert codes_file.read_text().split() == expected, block
+
+
+@pytest.mark.parametrize("backend", ["redis"])
+def test_full_filter_example_answers_as_documented(server: str, tmp_path: Path) -> None:
+    """The 507 example's body: its figure is a placeholder (it varies with the random seed)
+    and the rest of the message is what the service says."""
+    (block,) = [b for b in examples() if "# → 507" in b]
+    documented = re.search(r'# → 507 \{"detail": "([^"]*)"', block)[1]  # type: ignore[index]
+    assert not re.search(r"\d+ of 200", documented), "a figure that varies, printed as fixed"
+    prelude = 'curl() { command curl -sS "$@"; echo; }\nset -e\n'
+    run = subprocess.run(
+        ["bash", "-c", prelude + block.replace("localhost:8000", server)],
+        env={**os.environ, "GUARD_API_KEY": API_KEY}, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    answer = json.loads(run.stdout.strip().splitlines()[-1])
+    pattern = re.escape(documented).replace("N", r"\d+")
+    assert re.fullmatch(pattern, answer["detail"]), (documented, answer["detail"])
+    assert answer["results"][0] is True and answer["results"][-1] is False

@@ -14,6 +14,8 @@ from app.deps import NAME_PATTERN
 from app.main import create_app
 from app.settings import Settings
 from tests.app.conftest import AUTH, Service, StartService
+from tests.redis_server import free_port
+from tests.served import clean_env, run_module
 
 
 class TestSettings:
@@ -71,6 +73,46 @@ class TestSettings:
                 create_app(settings), startup_timeout=30, shutdown_timeout=30
             ):
                 pass
+
+
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        (
+            {"GUARD_REDIS_URL": "foo://bar"},
+            "invalid setting GUARD_REDIS_URL: got 'foo://bar'; it accepts redis://, rediss://, "
+            "unix://, redis-cluster://, rediss-cluster://, memory:// or empty (the embedded "
+            "Redis)",
+        ),
+        (
+            {
+                "GUARD_ENV": "production",
+                "GUARD_API_KEY": "change-me",
+                "GUARD_REDIS_URL": "memory://",
+            },
+            "GUARD_API_KEY: GUARD_ENV=production needs a real key (it is a placeholder); it "
+            "accepts 16+ characters that are not a placeholder such as 'change-me'",
+        ),
+        (
+            {"GUARD_FAIL_OPEN": "banana"},
+            "invalid setting GUARD_FAIL_OPEN: Input should be a valid boolean, unable to "
+            "interpret input (got 'banana')",
+        ),
+    ],
+)
+def test_uvicorn_reports_config_errors_in_one_line(
+    env: dict[str, str], line: str, tmp_path: Path
+) -> None:
+    """`uvicorn app.main:app` with a bad setting: that one line, no traceback, non-zero exit
+    (the same line `guard serve` prints; tests/cli checks that one)."""
+    run = run_module(
+        "uvicorn", "app.main:app", "--port", str(free_port()),
+        env=clean_env(GUARD_DATA_DIR=str(tmp_path), **env),
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "Traceback" not in run.stderr
+    errors = [x for x in run.stderr.splitlines() if x.startswith("ERROR:")]
+    assert errors == [f"ERROR:    {line}", "ERROR:    Application startup failed. Exiting."]
 
 
 @pytest.mark.parametrize("backend", ["embedded"])

@@ -10,10 +10,14 @@ import redis
 from typer.testing import CliRunner
 
 from app.cli import cli
-from guard import SyncCuckooFilter
+from app.settings import Settings
+from guard import SyncCuckooFilter, SyncShardedCuckooFilter
+from tests.redis_server import free_port
+from tests.served import clean_env, run_module
 
 runner = CliRunner()
-COMMANDS = ["serve", "demo", "attack", "create", "info", "list", "drop", "load", "export", "import"]
+COMMANDS = ["serve", "demo", "attack", "create", "info", "list", "check", "drop", "load", "export",
+            "import", "where"]  # fmt: skip
 
 
 def guard(*args: str) -> tuple[int, str, str]:
@@ -91,6 +95,26 @@ class TestFilters:
     ) -> None:
         monkeypatch.setenv("GUARD_REDIS_TIMEOUT", "-1")
         assert_one_line_error(*guard("list")[::2], match="GUARD_REDIS_TIMEOUT")
+
+    @pytest.mark.parametrize(
+        ("env", "match"),
+        [
+            ({"GUARD_REDIS_URL": "foo://bar"}, "GUARD_REDIS_URL: got 'foo://bar'; it accepts"),
+            ({"GUARD_ENV": "production", "GUARD_API_KEY": "change-me"}, "GUARD_API_KEY: "),
+        ],
+    )
+    def test_serve_refuses_bad_settings_in_one_line(
+        self, env: dict[str, str], match: str, tmp_path: Path
+    ) -> None:
+        """`guard serve` names the setting and what it accepts, before uvicorn starts (a
+        process with a deadline: without the check it would start serving)."""
+        run = run_module(
+            "app.cli", "serve", "--port", str(free_port()),
+            env=clean_env(GUARD_DATA_DIR=str(tmp_path), **env),
+        )  # fmt: skip
+        assert_one_line_error(run.returncode, run.stderr, match=match)
+        if "URL" in match:
+            assert "memory://" in run.stderr and "redis-cluster://" in run.stderr
 
 
 class TestLoad:
@@ -206,3 +230,103 @@ class TestExportImport:
             *guard("export", "nope", str(tmp_path / "d"))[::2], match="no such filter"
         )
         assert not list(tmp_path.iterdir())
+
+
+class TestCheck:
+    """`guard check NAME ITEM…`: per-item answers, status 0 only when every item is present."""
+
+    def test_items_stdin_and_file(self, cli_env: dict[str, str], tmp_path: Path) -> None:
+        guard("create", "users", "-c", "100")
+        path = tmp_path / "items.txt"
+        path.write_text("alice\nbob\n")
+        assert guard("load", "users", str(path))[0] == 0
+        code, out, _ = guard("check", "users", "alice", "bob")
+        assert code == 0 and out.split("\n")[:2] == ["present alice", "present bob"]
+        code, out, _ = guard("check", "users", "alice", "mallory")
+        assert code == 1 and "absent  mallory" in out and "present alice" in out
+        result = runner.invoke(cli, ["check", "users", "-"], input="bob\nmallory\n")
+        assert result.exit_code == 1 and "absent  mallory" in result.stdout
+        code, out, _ = guard("check", "users", "--file", str(path))
+        assert code == 0 and "present bob" in out
+
+    def test_missing_filter_and_no_items(self, cli_env: dict[str, str]) -> None:
+        assert_one_line_error(*guard("check", "nope", "x")[::2], match="nope")
+        assert_one_line_error(*guard("check", "nope")[::2], match="no items")
+
+
+class TestSharded:
+    """Sharded filters made with the library show up in `list`, `info` and `check`."""
+
+    def test_list_info_check(self, cli_env: dict[str, str], cli_redis: redis.Redis) -> None:
+        sharded = SyncShardedCuckooFilter(
+            cli_redis, "susers", cli_env["GUARD_KEY_PREFIX"], shards=4
+        )
+        sharded.reserve(1000)
+        sharded.insert_many(["a", "b"])
+        code, out, err = guard("list", "--json")
+        assert code == 0, err
+        (listed,) = json.loads(out)
+        assert (listed["name"], listed["shards"], listed["items"]) == ("susers", 4, 2)
+        code, out, err = guard("info", "susers")
+        assert code == 0, err
+        assert "shards" in out and "susers" in out
+        assert guard("check", "susers", "a", "b")[0] == 0
+
+
+class TestWhere:
+    """Every command uses one data directory, whatever the current folder, and says so."""
+
+    def test_data_dir_not_current_folder(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        for name in ("GUARD_REDIS_URL", "GUARD_EMBEDDED_REDIS_FILE", "GUARD_DATABASE_URL"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("GUARD_DATA_DIR", str(tmp_path / "share"))
+        monkeypatch.chdir(tmp_path)
+        code, out, _ = guard("where")
+        assert code == 0
+        assert f"embedded redis-server, data in {tmp_path / 'share' / 'redis.rdb'}" in out
+        assert f"sqlite:///{tmp_path / 'share' / 'records.db'}" in out
+
+    def test_default_data_dir_is_per_user(self, tmp_path: Path) -> None:
+        """Without GUARD_DATA_DIR: the user's XDG data directory, not ./data."""
+        run = run_module("app.cli", "where", env=clean_env(XDG_DATA_HOME=str(tmp_path / "xdg")))
+        assert run.returncode == 0, run.stderr
+        assert f"data in {tmp_path / 'xdg' / 'cuckoo-guard' / 'redis.rdb'}" in run.stdout
+
+    def test_verbose_names_the_redis(self, cli_env: dict[str, str]) -> None:
+        code, _, err = guard("--verbose", "list")
+        assert code == 0
+        assert err.strip() == f"redis: {cli_env['GUARD_REDIS_URL']}"
+
+
+class TestLoadCreate:
+    """`load --create`: sized with the service's headroom; a failure leaves no filter."""
+
+    def test_bad_column_creates_nothing(
+        self, cli_env: dict[str, str], cli_redis: redis.Redis, tmp_path: Path
+    ) -> None:
+        path = tmp_path / "users.csv"
+        path.write_text("id,email\n1,a@b\n")
+        code, _, err = guard("load", "x", str(path), "--column", "name", "--create")
+        assert_one_line_error(code, err, match="no column 'name'")
+        assert not SyncCuckooFilter(cli_redis, "x", cli_env["GUARD_KEY_PREFIX"]).exists()
+
+    def test_failure_midway_drops_the_new_filter(
+        self, cli_env: dict[str, str], cli_redis: redis.Redis, tmp_path: Path
+    ) -> None:
+        path = tmp_path / "users.csv"
+        path.write_text("id,email\n1,a@b\n2\n")  # the second row has no email column
+        code, _, err = guard("load", "x", str(path), "--column", "1", "--create", "--batch", "1")
+        assert_one_line_error(code, err, match="no column 1")
+        assert not SyncCuckooFilter(cli_redis, "x", cli_env["GUARD_KEY_PREFIX"]).exists()
+
+    def test_sized_with_the_services_headroom(
+        self, cli_env: dict[str, str], cli_redis: redis.Redis, tmp_path: Path
+    ) -> None:
+        path = tmp_path / "items.txt"
+        path.write_text("".join(f"i{i}\n" for i in range(1000)))
+        assert guard("load", "sized", str(path), "--create")[0] == 0
+        info = SyncCuckooFilter(cli_redis, "sized", cli_env["GUARD_KEY_PREFIX"]).info()
+        assert info.capacity == 1000 * Settings().records_headroom
+        assert info.load_factor < 0.5

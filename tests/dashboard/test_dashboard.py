@@ -7,10 +7,10 @@ Never skipped: without Chromium the browser test fails and says what to install
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +19,10 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
-from app.cli.service import stop_process, wait_healthy
 from app.main import create_app
+from app.routes.dashboard import HISTORY_SECONDS, History, sample
 from app.settings import Settings
-from tests.redis_server import free_port
+from tests.served import clean_env, guard_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = "install it: apt-get install -y chromium chromium-driver"
@@ -47,28 +47,65 @@ async def test_page_and_json_are_served(tmp_path: Path) -> None:
             assert data["stats"]["blocked"] == 1 and data["stats"]["passed"] == 1
             assert [f["name"] for f in data["filters"]] == ["records"]
             assert data["filters"][0]["items"] == 10
-            assert data["history"][-1]["blocked"] == 1
+            assert data["window_s"] == HISTORY_SECONDS
+            history = app.state.dashboard_history
+            assert history.samples  # the lifespan's sampler took the first one at start-up
+
+
+class TestHistory:
+    """The server-side series behind the chart."""
+
+    def test_rates_between_samples(self) -> None:
+        """Per-second rates of each counter, at the later sample's time."""
+        h = History(seconds=60, every=1.0)
+        h.add(100.0, {"blocked": 0, "passed": 0, "db_queries": 0})
+        h.add(101.0, {"blocked": 30, "passed": 2, "db_queries": 1})
+        h.add(103.0, {"blocked": 40, "passed": 2, "db_queries": 1})
+        assert h.rates() == [
+            {"t": 101.0, "blocked": 30.0, "passed": 2.0, "db_queries": 1.0},
+            {"t": 103.0, "blocked": 5.0, "passed": 0.0, "db_queries": 0.0},
+        ]
+
+    def test_gap_becomes_nulls(self) -> None:
+        """Samples further apart than a few intervals (the sampler did not run) give nulls, so
+        the chart breaks the line instead of drawing one straight across the gap."""
+        h = History(seconds=600, every=1.0)
+        for t, n in ((0.0, 0), (1.0, 10), (61.0, 20), (62.0, 25)):
+            h.add(t, {"blocked": n, "passed": n, "db_queries": n})
+        assert [r["blocked"] for r in h.rates()] == [10.0, None, 5.0]
+        assert h.rates()[1] == {"t": 61.0, "blocked": None, "passed": None, "db_queries": None}
+
+    def test_bounded_to_the_window(self) -> None:
+        """Only the last `seconds` are kept, however long the service runs."""
+        h = History(seconds=10, every=1.0)
+        for t in range(100):
+            h.add(float(t), {"blocked": t, "passed": 0, "db_queries": 0})
+        assert [s["t"] for s in h.samples] == [float(t) for t in range(89, 100)]
+
+    async def test_sampler_runs_without_viewers(self) -> None:
+        """`sample` adds samples by itself, no request needed."""
+        h = History(seconds=60, every=0.01)
+        reads = iter(range(1000))
+        task = asyncio.create_task(
+            sample(h, lambda: dict.fromkeys(("blocked", "passed", "db_queries"), next(reads)))
+        )
+        try:
+            while len(h.samples) < 3:
+                await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+        assert [s["blocked"] for s in h.samples][:3] == [0.0, 1.0, 2.0]
 
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
-    env |= {
-        "GUARD_REDIS_URL": "memory://",
-        "GUARD_DATABASE_URL": f"sqlite:///{tmp_path}/records.db",
-        "GUARD_DEMO_RECORDS": "200",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"],
-        env=env, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, 30)
+    env = clean_env(
+        GUARD_REDIS_URL="memory://",
+        GUARD_DATABASE_URL=f"sqlite:///{tmp_path}/records.db",
+        GUARD_DEMO_RECORDS="200",
+    )
+    with guard_serve(env) as url:
         yield url
-    finally:
-        stop_process(proc, grace=20)
 
 
 def chrome() -> object:
@@ -91,6 +128,9 @@ def chrome() -> object:
         "--disable-background-networking",
         "--no-first-run",
         "--window-size=1200,900",
+        # The network cut: every host but the service's fails to resolve, so a page that
+        # needs a CDN (or anything else off this machine) breaks here as it would offline.
+        "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
     ):
         options.add_argument(flag)  # fmt: skip
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
@@ -130,7 +170,7 @@ def test_page_in_chromium_shows_live_numbers(served: str) -> None:
         assert text("saved") == str(blocked)
         wait.until(
             lambda _: browser.execute_script(  # type: ignore[attr-defined]
-                js % "getAttribute('points')", "#chart polyline[data-series=blocked]"
+                js % "getAttribute('d')", "#chart path[data-series=blocked]"
             )
         )
         if os.environ.get("GUARD_DASHBOARD_SCREENSHOT"):
@@ -140,5 +180,57 @@ def test_page_in_chromium_shows_live_numbers(served: str) -> None:
             if e["level"] in ("SEVERE", "ERROR")
         ]  # fmt: skip
         assert not errors, errors
+    finally:
+        browser.quit()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_api_docs_render_offline(served: str, page: str) -> None:
+    """/docs (Swagger UI) and /redoc render with the network cut: their JavaScript and CSS
+    come from the service, and the page lists the API's operations."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser = chrome()
+    try:
+        browser.get(served + page)  # type: ignore[attr-defined]
+        # Swagger UI draws one .opblock per operation; ReDoc one [data-section-id] per section.
+        selector = ".opblock-summary-path" if page == "/docs" else "[data-section-id^='operation']"
+        count = "return document.querySelectorAll(arguments[0]).length"
+        WebDriverWait(browser, 20).until(
+            lambda b: b.execute_script(count, selector) >= 10  # type: ignore[attr-defined]
+        )
+        html = browser.page_source  # type: ignore[attr-defined]
+        assert "/filters/{name}" in html
+        assert "cdn.jsdelivr.net" not in html
+    finally:
+        browser.quit()  # type: ignore[attr-defined]
+
+
+def test_chart_has_points_on_first_open(served: str) -> None:
+    """Traffic while nobody watches, then the page is opened: its first view already charts
+    that traffic (the service sampled it), with labelled axes and the filters' capacity."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with httpx.Client(base_url=served) as client:
+        for i in range(100):
+            client.get(f"/records/ghost-{i}")
+    time.sleep(2.5)  # let the sampler take samples after the traffic; nothing polled meanwhile
+    browser = chrome()
+    try:
+        browser.get(f"{served}/?interval=600000")  # type: ignore[attr-defined]  # one poll only
+        text = lambda i: browser.find_element(By.ID, i).text  # type: ignore[attr-defined]  # noqa: E731
+        WebDriverWait(browser, 15).until(lambda _: text("status") == "live")
+        line = browser.execute_script(  # type: ignore[attr-defined]
+            "const e = document.querySelector('#chart [data-series=blocked]');"
+            "return e.getAttribute('d') || e.getAttribute('points') || ''"
+        )
+        assert len(re.findall(r"[\d.]+,[\d.]+", line)) >= 2, line  # a line needs two points
+        chart = text("chart")
+        assert "per second" in chart and "time (minutes ago)" in chart and "now" in chart
+        headers = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#filters th")]  # type: ignore[attr-defined]
+        assert headers[2:4] == ["capacity", "sub-filters"]
+        row = browser.find_element(By.CSS_SELECTOR, "#filters tr[data-filter=records]").text  # type: ignore[attr-defined]
+        assert row.split()[:2] == ["records", "(records)"]
     finally:
         browser.quit()  # type: ignore[attr-defined]
