@@ -23,7 +23,7 @@ RUN pip install uv==0.13.9 \
  && chown guard:guard /data
 
 # The SQLite records database lives here; GUARD_REDIS_URL must name a Redis (compose sets it).
-ENV GUARD_DATABASE_URL=sqlite:////data/records.db
+ENV GUARD_DATA_DIR=/data
 VOLUME ["/data"]
 USER guard
 EXPOSE 8000

