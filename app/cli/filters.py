@@ -228,7 +228,6 @@ def load(
     ] = None,
     header: Annotated[bool, typer.Option(help="The CSV's first row names the columns.")] = True,
     batch: Annotated[int, typer.Option(min=1, max=100_000, help="Items per round trip.")] = 5000,
-    unique: Annotated[bool, typer.Option(help="Skip items that are probably present.")] = False,
     create: Annotated[
         bool, typer.Option("--create", help="Create the filter if missing, sized for the file.")
     ] = False,
@@ -237,7 +236,9 @@ def load(
     prefix: Prefix = None,
     force: Force = False,
 ) -> None:
-    """Bulk-insert items from a text file (one a line) or a CSV column."""
+    """Bulk-insert items from a text file (one a line) or a CSV column: one copy per line,
+    duplicates included (skipping "present" items could skip one whose fingerprint merely
+    collides with another's, and deleting the other would then lose it)."""
     cfg = settings(redis_url=redis_url, key_prefix=prefix)
     refuse_records_filter(cfg, name, force)
     if column is None and file.suffix.lower() == ".csv":
@@ -262,7 +263,7 @@ def load(
             task = progress.add_task(f"load {name}", total=total)
             for part in _batches(_items(file, column, header), batch):
                 try:
-                    results = cf.insert_many(part, unique=unique)
+                    results = cf.insert_many(part)
                 except FilterFullError as exc:
                     added += sum(exc.results)
                     raise GuardError(

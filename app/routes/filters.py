@@ -71,10 +71,6 @@ class ItemsIn(BaseModel):
     items: list[str] = Field(description="1-GUARD_MAX_BATCH strings of 1-GUARD_MAX_ITEM_BYTES")
 
 
-class AddIn(ItemsIn):
-    unique: bool = Field(False, description="Skip items that are probably present already")
-
-
 class Results(BaseModel):
     results: list[bool]
 
@@ -178,19 +174,21 @@ async def drop(cf: AdminFilterDep) -> Response:
     },
 )
 async def add(
-    body: AddIn,
+    body: ItemsIn,
     request: Request,
     cf: WritableFilterDep,
     settings: SettingsDep,
     idem: IdempotencyDep,
     idempotency_key: IdemKey = None,
 ) -> JSONResponse:
-    """Add items; `results[i]` is False where `unique` skipped an item. 507 when a fixed-size
-    filter fills up, with `results` saying which items were added."""
+    """Add one copy of each item, present or not (a "unique" add would skip an item whose
+    fingerprint collides with another's, and deleting the other would then lose it). Balance
+    each add with one delete. 507 when a fixed-size filter fills up, with `results` saying
+    which items were added."""
     check_items(body.items, settings)
 
     async def op() -> JSONResponse:
-        return JSONResponse({"results": await cf.insert_many(body.items, unique=body.unique)})
+        return JSONResponse({"results": await cf.insert_many(body.items)})
 
     fp = fingerprint("POST", request.url.path, body.model_dump())
     return await idem.run(cf.name, idempotency_key, fp, op)
@@ -228,7 +226,8 @@ async def delete_items(
     idem: IdempotencyDep,
     idempotency_key: IdemKey = None,
 ) -> JSONResponse:
-    """Delete items (only ones that were added: deleting others can cause false negatives)."""
+    """Delete one copy of each item (only ones that were added: deleting others can cause
+    false negatives)."""
     check_items(body.items, settings)
 
     async def op() -> JSONResponse:
@@ -272,7 +271,6 @@ async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
     response_model=Added,
     dependencies=[Auth],
     responses={
-        200: {"model": Added, "description": "Probably present already; not added again"},
         **errors.UNAUTHORIZED,
         **errors.NOT_FOUND,
         **errors.CONFLICT,
@@ -289,12 +287,18 @@ async def put_item(
     idem: IdempotencyDep,
     idempotency_key: IdemKey = None,
 ) -> JSONResponse:
-    """Add one item unless it is probably present: 201 added, 200 already there."""
+    """Add one copy of the item: always 201 `{"added": true}`, present already or not.
+
+    A filter cannot tell "this item is here" from "another item with the same fingerprint is
+    here", so skipping "present" items would let a later DELETE of the other item lose this
+    one. Each PUT is therefore balanced by one DELETE. Retries are safe with an
+    `Idempotency-Key` (they run once); a retry without one leaves an extra copy, which costs
+    a slot and one more DELETE to remove, never an item."""
     check_item(item, settings, ("path", "item"))
 
     async def op() -> JSONResponse:
-        added = await cf.insert_unique(item)
-        return JSONResponse({"added": added}, status_code=201 if added else 200)
+        await cf.insert(item)
+        return JSONResponse({"added": True}, status_code=201)
 
     return await idem.run(cf.name, idempotency_key, fingerprint("PUT", request.url.path, None), op)
 
@@ -332,7 +336,7 @@ async def delete_item(
     idem: IdempotencyDep,
     idempotency_key: IdemKey = None,
 ) -> JSONResponse:
-    """Delete one item."""
+    """Delete one copy of the item (one PUT's worth)."""
     check_item(item, settings, ("path", "item"))
 
     async def op() -> JSONResponse:
