@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -10,7 +11,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -169,6 +172,27 @@ def error_response(exc: BaseException, retry_after: int = 1) -> JSONResponse | N
     return None
 
 
+def finite_json(value: Any) -> bool:
+    """Whether `value` is JSON: no NaN or Infinity, nothing of another type."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def validation_response(exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422, minus any echoed `input`/`ctx` that JSON cannot carry: a NaN or Infinity
+    the request sent made the default handler's own rendering fail, turning a 422 into a 500."""
+    detail = []
+    for entry in jsonable_encoder(exc.errors()):
+        for extra in ("input", "ctx"):
+            if extra in entry and not finite_json(entry[extra]):
+                del entry[extra]
+        detail.append(entry)
+    return _json(422, {"detail": detail})
+
+
 def install(app: FastAPI, retry_after: int) -> None:
     """Register the handlers that turn domain and Redis errors into answers."""
 
@@ -202,7 +226,12 @@ def install(app: FastAPI, retry_after: int) -> None:
             return _invalid(["body"], "must be a JSON document in valid UTF-8")
         return await http_exception_handler(request, exc)
 
+    async def invalid(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return validation_response(exc)
+
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, invalid)
     for exc_type in (
         BadInput,
         Conflict,

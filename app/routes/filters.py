@@ -47,7 +47,9 @@ class FilterList(BaseModel):
 
 
 class ReserveIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: true is no capacity, nor "5" a bucket size. No NaN or Infinity (Python's json
+    # reads them): they would slip past the bounds below.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     capacity: int = Field(ge=1, description="Items the filter must hold (limit GUARD_MAX_CAPACITY)")
     # ge=1e-12: far below what 32-bit fingerprints reach, and keeps the library's sizing
