@@ -120,3 +120,55 @@ class TestRecordValuesAreFinite:
             await svc.records.put("k", float("nan"))
         assert await svc.db.get("k") is None
         assert (await svc.client.get("/filters/records")).json()["items"] == info["items"]
+
+
+# Not UTF-8 once percent-decoded: a stray byte, an overlong "/", a UTF-16 surrogate, a lone
+# continuation byte, a truncated sequence. The server would decode each to U+FFFD.
+NOT_UTF8 = ["%FF", "%FE", "%C0%AF", "%ED%A0%80", "a%80b", "%E2%82"]
+
+
+def path_params(spec: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(method, path, parameter) for every path parameter of every route in the schema."""
+    return [
+        (method.upper(), path, p["name"])
+        for path, ops in spec["paths"].items()
+        for method, op in ops.items()
+        for p in op.get("parameters", [])
+        if p["in"] == "path"
+    ]
+
+
+class TestPathsAreUtf8:
+    """Invalid UTF-8 in a path or query is a 422 naming the parameter, on every route (issue
+    #13 §3): otherwise `/records/%FF` and `/records/%FE` are one key."""
+
+    @pytest.mark.parametrize("bad", NOT_UTF8)
+    async def test_every_path_parameter(self, svc: Service, bad: str) -> None:
+        await create(svc)
+        params = path_params((await svc.client.get("/openapi.json")).json())
+        assert len(params) >= 10
+        for method, path, name in params:
+            values = {"name": "users", "item": "x", "key": "user-1", name: bad}
+            url = path.format(**values)
+            body = {"items": ["x"]} if method == "POST" else {"value": 1}
+            r = await svc.client.request(method, url, json=body, headers=AUTH)
+            assert r.status_code == 422, (method, url, r.status_code, r.text)
+            assert "UTF-8" in field_error(r, "path", name), (method, url)
+
+    async def test_two_bad_keys_do_not_collapse_into_one(self, svc: Service) -> None:
+        r = await svc.client.put("/records/%FF", json={"value": 1}, headers=AUTH)
+        assert r.status_code == 422
+        assert await svc.db.get("\ufffd") is None
+        r = await svc.client.get("/records/%FE")
+        assert r.status_code == 422 and "x-guard" not in r.headers
+
+    @pytest.mark.parametrize("query", ["x=%FF", "%C0%AF=1", "a=1&b=%ED%A0%80"])
+    async def test_query(self, svc: Service, query: str) -> None:
+        r = await svc.client.get(f"/filters?{query}")
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"][0]["loc"][0] == "query"
+
+    async def test_valid_utf8_still_works(self, svc: Service) -> None:
+        r = await svc.client.put("/records/caf%C3%A9", json={"value": 1}, headers=AUTH)
+        assert r.status_code == 201
+        assert (await svc.client.get("/records/café")).json() == {"key": "café", "value": 1}

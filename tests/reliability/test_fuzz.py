@@ -147,3 +147,12 @@ class TestHostileBodies:
         )  # fmt: skip
         assert r.status_code == 422, r.text
         assert r.json()["detail"][0]["loc"] == ["body"] and "UTF-8" in r.text
+
+    @pytest.mark.parametrize(
+        "path", ["/records/%FF", "/filters/%C0%AF", "/filters/x/items/%ED%A0%80"]
+    )
+    def test_path_not_utf8_is_422(self, fuzzed: Fuzzed, path: str) -> None:
+        """Through a real server (uvicorn's raw_path), not only the test transport."""
+        r = httpx.get(f"{fuzzed.app.url}{path}")
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"][0]["loc"][0] == "path" and "UTF-8" in r.text
