@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -42,6 +42,10 @@ class Settings(BaseSettings):
 
     # "" (the default) turns authentication off; production refuses to start without one.
     api_key: SecretStr = SecretStr("")
+    # Reads of filters (listing, info, item lookups, batch checks) need the key too. Unset: on
+    # in production, off elsewhere (an open check route answers GUARD_MAX_BATCH memberships
+    # per request to anyone). The public /records routes stay public either way.
+    protect_reads: bool | None = None
 
     # Backing database of the guarded /records resource.
     database_url: str = "sqlite:///data/records.db"
@@ -77,6 +81,19 @@ class Settings(BaseSettings):
         default=2.0, ge=0, description="seconds a duplicate waits for the first request to finish"
     )
 
+    @model_validator(mode="after")
+    def _reads_need_a_key(self) -> Settings:
+        if self.protect_reads and not self.auth_enabled:
+            raise ValueError("GUARD_PROTECT_READS=true needs a GUARD_API_KEY")
+        return self
+
     @property
     def auth_enabled(self) -> bool:
         return bool(self.api_key.get_secret_value())
+
+    @property
+    def reads_need_key(self) -> bool:
+        """Whether filter reads need the API key (see protect_reads)."""
+        if self.protect_reads is None:
+            return self.env == "production" and self.auth_enabled
+        return self.protect_reads

@@ -16,6 +16,7 @@ from app.deps import (
     FilterName,
     FiltersDep,
     IdempotencyDep,
+    ReadAuth,
     RecordsDep,
     RedisDep,
     SettingsDep,
@@ -94,7 +95,12 @@ def _info(info: Any) -> dict[str, Any]:
     return data
 
 
-@router.get("", response_model=FilterList, responses=errors.UNAVAILABLE)
+@router.get(
+    "",
+    response_model=FilterList,
+    dependencies=[ReadAuth],
+    responses={**errors.UNAUTHORIZED, **errors.UNAVAILABLE},
+)
 async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
     """Every filter with its info; damaged ones by name only."""
     report = await read_filters(redis, filters.get, filters.prefix)
@@ -132,7 +138,12 @@ async def create(body: ReserveIn, cf: AdminFilterDep, settings: SettingsDep) -> 
     return _info(info)
 
 
-@router.get("/{name}", response_model=FilterInfo, responses={**errors.NOT_FOUND, **errors.COMMON})
+@router.get(
+    "/{name}",
+    response_model=FilterInfo,
+    dependencies=[ReadAuth],
+    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.COMMON},
+)
 async def get(cf: FilterDep) -> Any:
     """A filter's info."""
     return _info(await cf.info())
@@ -199,7 +210,8 @@ async def add(
 @router.post(
     "/{name}/check",
     response_model=Results,
-    responses={**errors.NOT_FOUND, **errors.TOO_LARGE, **errors.COMMON},
+    dependencies=[ReadAuth],
+    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.TOO_LARGE, **errors.COMMON},
 )
 async def check(body: ItemsIn, cf: FilterDep, settings: SettingsDep) -> Any:
     """Which items are probably present (False is certain, True may be a false positive)."""
@@ -308,7 +320,8 @@ async def put_item(
 @router.get(
     "/{name}/items/{item:path}",
     response_model=Exists,
-    responses={**errors.NOT_FOUND, **errors.COMMON},
+    dependencies=[ReadAuth],
+    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.COMMON},
 )
 async def get_item(item: str, name: FilterName, request: Request) -> Any:
     """Whether one item is probably present."""

@@ -6,7 +6,9 @@ import asyncio
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
+from app.settings import Settings
 from guard import CuckooFilter
 from tests import collide
 from tests.app.conftest import AUTH, Service, StartService
@@ -18,8 +20,10 @@ INFO_FIELDS = {
 }  # fmt: skip
 
 
-async def create(svc: Service, name: str = "users", **body: object) -> dict[str, object]:
-    r = await svc.client.put(f"/filters/{name}", json={"capacity": 1000, **body}, headers=AUTH)
+async def create(
+    svc: Service, name: str = "users", *, headers: dict[str, str] = AUTH, **body: object
+) -> dict[str, object]:
+    r = await svc.client.put(f"/filters/{name}", json={"capacity": 1000, **body}, headers=headers)
     assert r.status_code == 201, r.text
     return dict(r.json())
 
@@ -202,7 +206,7 @@ MUTATIONS = [
 
 
 class TestAuth:
-    """Every mutating route needs the bearer key; reads do not."""
+    """Every mutating route needs the bearer key; reads do not by default outside production."""
 
     async def test_mutation_without_key_is_401(self, svc: Service) -> None:
         bad_headers: list[dict[str, Any]] = [
@@ -233,6 +237,56 @@ class TestAuth:
         svc = await start(api_key="")
         r = await svc.client.put("/filters/users", json={"capacity": 10})
         assert r.status_code == 201
+
+
+STRONG_KEY = "k3y-for-the-read-auth-tests-0123456789abcdef"
+STRONG = {"Authorization": f"Bearer {STRONG_KEY}"}
+READS = [
+    ("GET", "/filters", None),
+    ("GET", "/filters/users", None),
+    ("POST", "/filters/users/check", {"items": ["a"]}),
+    ("GET", "/filters/users/items/a", None),
+]
+
+
+class TestReadAuth:
+    """GUARD_PROTECT_READS: filter reads need the key (by default in production); the guarded
+    /records routes stay public."""
+
+    async def statuses(self, svc: Service, headers: dict[str, str]) -> list[int]:
+        return [
+            (await svc.client.request(m, p, json=body, headers=headers)).status_code
+            for m, p, body in READS
+        ]
+
+    async def test_production_default_needs_the_key(self, start: StartService) -> None:
+        svc = await start(env="production", api_key=STRONG_KEY)
+        await create(svc, headers=STRONG)
+        assert await self.statuses(svc, {}) == [401] * 4
+        assert await self.statuses(svc, {"Authorization": "Bearer wrong"}) == [401] * 4
+        assert await self.statuses(svc, STRONG) == [200] * 4
+        r = await svc.client.get("/records/user-1")
+        assert r.status_code == 200 and r.headers["x-guard"] == "passed"
+
+    async def test_no_key_does_not_tell_a_filter_exists(self, start: StartService) -> None:
+        svc = await start(protect_reads=True)
+        assert (await svc.client.get("/filters/nope")).status_code == 401
+        assert (await svc.client.get("/filters/nope", headers=AUTH)).status_code == 404
+
+    async def test_production_can_open_reads(self, start: StartService) -> None:
+        svc = await start(env="production", api_key=STRONG_KEY, protect_reads=False)
+        await create(svc, headers=STRONG)
+        assert await self.statuses(svc, {}) == [200] * 4
+
+    async def test_development_can_close_reads(self, start: StartService) -> None:
+        svc = await start(protect_reads=True)
+        await create(svc)
+        assert await self.statuses(svc, {}) == [401] * 4
+        assert await self.statuses(svc, AUTH) == [200] * 4
+
+    def test_protected_reads_need_a_key(self) -> None:
+        with pytest.raises(ValidationError, match="GUARD_PROTECT_READS"):
+            Settings(protect_reads=True, api_key="")
 
 
 class TestLimits:
