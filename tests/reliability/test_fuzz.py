@@ -69,6 +69,14 @@ negative = schemathesis.pytest.from_fixture("negative_schema").include(
 )
 
 
+FUZZ = hypothesis.settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=list(hypothesis.HealthCheck),
+    derandomize=True,
+)
+
+
 def call_and_check(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
     """Authorized and anonymous requests alike: a documented status, never a 5xx but 503/507."""
     headers = AUTH if case.operation.method.upper() != "GET" else {}
@@ -82,23 +90,13 @@ def call_and_check(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
 
 
 @schema.parametrize()
-@hypothesis.settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=list(hypothesis.HealthCheck),
-    derandomize=True,
-)
+@FUZZ
 def test_every_answer_is_documented(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
     call_and_check(case, fuzzed)
 
 
 @negative.parametrize()
-@hypothesis.settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=list(hypothesis.HealthCheck),
-    derandomize=True,
-)
+@FUZZ
 def test_wrong_input_is_never_a_5xx(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
     call_and_check(case, fuzzed)
 
