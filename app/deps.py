@@ -148,10 +148,8 @@ async def get_admin_filter(cf: WritableFilterDep, request: Request) -> CuckooFil
 AdminFilterDep = Annotated[CuckooFilter, Depends(get_admin_filter)]
 
 
-async def require_api_key(request: Request, settings: SettingsDep) -> None:
-    """Mutating routes: `Authorization: Bearer <GUARD_API_KEY>` when a key is configured."""
-    if not settings.auth_enabled:
-        return
+def check_api_key(request: Request, settings: Settings) -> None:
+    """401 unless the request carries `Authorization: Bearer <GUARD_API_KEY>`."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     expected = settings.api_key.get_secret_value().encode()
     # compare_digest on bytes: constant time, and no crash on non-ASCII input.
@@ -163,7 +161,21 @@ async def require_api_key(request: Request, settings: SettingsDep) -> None:
         )
 
 
+async def require_api_key(request: Request, settings: SettingsDep) -> None:
+    """Mutating routes: `Authorization: Bearer <GUARD_API_KEY>` when a key is configured."""
+    if settings.auth_enabled:
+        check_api_key(request, settings)
+
+
+async def require_read_key(request: Request, settings: SettingsDep) -> None:
+    """Filter reads (listing, info, lookups, checks): the API key too when GUARD_PROTECT_READS
+    is on (by default in production)."""
+    if settings.reads_need_key:
+        check_api_key(request, settings)
+
+
 Auth = Depends(require_api_key)
+ReadAuth = Depends(require_read_key)
 
 
 def check_item(item: str, settings: Settings, loc: tuple[str | int, ...]) -> None:

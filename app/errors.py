@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from guard import (
@@ -169,6 +174,27 @@ def error_response(exc: BaseException, retry_after: int = 1) -> JSONResponse | N
     return None
 
 
+def finite_json(value: Any) -> bool:
+    """Whether `value` is JSON: no NaN or Infinity, nothing of another type."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def validation_response(exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422, minus any echoed `input`/`ctx` that JSON cannot carry: a NaN or Infinity
+    the request sent made the default handler's own rendering fail, turning a 422 into a 500."""
+    detail = []
+    for entry in jsonable_encoder(exc.errors()):
+        for extra in ("input", "ctx"):
+            if extra in entry and not finite_json(entry[extra]):
+                del entry[extra]
+        detail.append(entry)
+    return _json(422, {"detail": detail})
+
+
 def install(app: FastAPI, retry_after: int) -> None:
     """Register the handlers that turn domain and Redis errors into answers."""
 
@@ -202,7 +228,12 @@ def install(app: FastAPI, retry_after: int) -> None:
             return _invalid(["body"], "must be a JSON document in valid UTF-8")
         return await http_exception_handler(request, exc)
 
+    async def invalid(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return validation_response(exc)
+
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, invalid)
     for exc_type in (
         BadInput,
         Conflict,
@@ -274,3 +305,63 @@ class BodyLimitMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": bytes(response.body)})
+
+
+# ---- URL encoding -------------------------------------------------------------------------
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        unquote_to_bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _path_param(routes: Sequence[BaseRoute], scope: Scope, index: int) -> list[str | int]:
+    """`loc` of the path segment at `index`: ["path", <parameter>] when a route names it."""
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match == Match.NONE:
+            continue
+        for i, part in enumerate(str(getattr(route, "path", "")).split("/")):
+            if part.startswith("{") and part.endswith("}"):
+                name, _, kind = part[1:-1].partition(":")
+                if i == index or (kind == "path" and i < index):
+                    return ["path", name]
+        break
+    return ["path"]
+
+
+class Utf8Middleware:
+    """422 for a path or query that is not UTF-8 once percent-decoded (`%FF`, `%C0%AF`, an
+    encoded surrogate `%ED%A0%80`). The server decodes those to U+FFFD, so `/records/%FF` and
+    `/records/%FE` would be one and the same key."""
+
+    MSG = "must be valid UTF-8 once percent-decoded"
+
+    def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute]) -> None:
+        self.app = app
+        self.routes = routes  # the app's own list, read per bad request to name the parameter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            loc = self._bad(scope)
+            if loc is not None:
+                await _invalid(loc, self.MSG)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _bad(self, scope: Scope) -> list[str | int] | None:
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        raw_path = raw_path.partition(b"?")[0]  # some servers and test clients keep the query
+        for index, segment in enumerate(raw_path.split(b"/")):
+            if not _utf8(segment):
+                return _path_param(self.routes, scope, index)
+        for pair in scope.get("query_string", b"").split(b"&"):
+            key, _, value = pair.replace(b"+", b" ").partition(b"=")
+            if not _utf8(key):
+                return ["query"]
+            if not _utf8(value):
+                return ["query", unquote_to_bytes(key).decode()]
+        return None

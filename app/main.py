@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from app import errors
 from app.db import open_database
 from app.deps import FilterHandles
-from app.errors import BodyLimitMiddleware
+from app.errors import BodyLimitMiddleware, Utf8Middleware
 from app.idempotency import Idempotency
 from app.metrics import Metrics, RequestMetricsMiddleware
 from app.records import RebuildInProgress, RecordStore
@@ -164,7 +164,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app, cfg.retry_after)
     add_routes(app, (health.router, filters.router, records.router, dashboard.router))
     _add_docs(app)
-    # Added innermost first: metrics see every answer, then the body limit, then the guard.
+    # Added innermost first: metrics see every answer, then the UTF-8 check, the body limit,
+    # then the guard.
     app.add_middleware(
         GuardMiddleware,
         filter=_records_filter,
@@ -176,6 +177,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         on_failure=partial(metrics.filter_failure, "guard"),
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
+    # Outside the guard and the routes: they only ever see the server's lossy decoding.
+    app.add_middleware(Utf8Middleware, routes=app.router.routes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, guarded_route="/records/{key}")
     if problem is not None:
         app.add_middleware(ConfigErrorGate, problem=problem)

@@ -185,7 +185,8 @@ class RecordStore:
 
     async def put(self, key: str, value: Any) -> bool:
         """Insert or replace; True if the row is new. Redis down → raises before any write."""
-        raw = json.dumps(value, separators=(",", ":"))
+        # allow_nan=False: NaN is no JSON, and must fail here, before any write.
+        raw = json.dumps(value, separators=(",", ":"), allow_nan=False)
         return await self._write(key, add=True, write=lambda hook: self.db.put(key, raw, hook))
 
     async def delete(self, key: str) -> bool:

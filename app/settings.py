@@ -65,6 +65,10 @@ class Settings(BaseSettings):
 
     # "" (the default) turns authentication off; production refuses to start without one.
     api_key: SecretStr = SecretStr("")
+    # Reads of filters (listing, info, item lookups, batch checks) need the key too. Unset: on
+    # in production, off elsewhere (an open check route answers GUARD_MAX_BATCH memberships
+    # per request to anyone). The public /records routes stay public either way.
+    protect_reads: bool | None = None
 
     # Backing database of the guarded /records resource.
     database_url: str = ""  # "" = sqlite:///<data_dir>/records.db
@@ -116,9 +120,22 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{self.data_dir / 'records.db'}"
         return self
 
+    @model_validator(mode="after")
+    def _reads_need_a_key(self) -> Settings:
+        if self.protect_reads and not self.auth_enabled:
+            raise ValueError("GUARD_PROTECT_READS=true needs a GUARD_API_KEY")
+        return self
+
     @property
     def auth_enabled(self) -> bool:
         return bool(self.api_key.get_secret_value())
+
+    @property
+    def reads_need_key(self) -> bool:
+        """Whether filter reads need the API key (see protect_reads)."""
+        if self.protect_reads is None:
+            return self.env == "production" and self.auth_enabled
+        return self.protect_reads
 
 
 def weak_api_key(key: str) -> str | None:
@@ -167,8 +184,11 @@ def describe(exc: ValidationError) -> str:
     """A ValidationError of Settings as one line: each bad GUARD_* variable and why."""
     parts = []
     for e in exc.errors():
-        name = "GUARD_" + "_".join(map(str, e["loc"])).upper()
         msg = e["msg"].removeprefix("Value error, ")
+        if not e["loc"]:  # a rule across settings names them itself
+            parts.append(msg)
+            continue
+        name = "GUARD_" + "_".join(map(str, e["loc"])).upper()
         given = "" if "got " in msg else f" (got {e.get('input')!r})"
         parts.append(f"{name}: {msg}{given}")
     return "invalid setting " + "; ".join(parts)

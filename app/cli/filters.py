@@ -307,7 +307,6 @@ def load(
     ] = None,
     header: Annotated[bool, typer.Option(help="The CSV's first row names the columns.")] = True,
     batch: Annotated[int, typer.Option(min=1, max=100_000, help="Items per round trip.")] = 5000,
-    unique: Annotated[bool, typer.Option(help="Skip items that are probably present.")] = False,
     create: Annotated[
         bool, typer.Option("--create", help="Create the filter if missing, sized for the file.")
     ] = False,
@@ -316,7 +315,9 @@ def load(
     prefix: Prefix = None,
     force: Force = False,
 ) -> None:
-    """Bulk-insert items from a text file (one a line) or a CSV column."""
+    """Bulk-insert items from a text file (one a line) or a CSV column: one copy per line,
+    duplicates included (skipping "present" items could skip one whose fingerprint merely
+    collides with another's, and deleting the other would then lose it)."""
     cfg = settings(redis_url=redis_url, key_prefix=prefix)
     refuse_records_filter(cfg, name, force)
     if column is None and file.suffix.lower() == ".csv":
@@ -333,7 +334,7 @@ def load(
             cf.reserve(max(1, math.ceil(total * cfg.records_headroom)), error_rate=error_rate)
             created = True
         try:
-            seen, added, elapsed = _load_into(cf, name, file, column, header, batch, unique, total)
+            seen, added, elapsed = _load_into(cf, name, file, column, header, batch, total)
         except BaseException:
             if created:
                 cf.drop()  # a failed --create leaves nothing behind
@@ -354,7 +355,6 @@ def _load_into(
     column: str | None,
     header: bool,
     batch: int,
-    unique: bool,
     total: int,
 ) -> tuple[int, int, float]:
     """Insert the file's items in batches with a progress bar: (seen, added, seconds)."""
@@ -371,7 +371,7 @@ def _load_into(
         task = progress.add_task(f"load {name}", total=total)
         for part in _batches(_items(file, column, header), batch):
             try:
-                results = cf.insert_many(part, unique=unique)
+                results = cf.insert_many(part)
             except FilterFullError as exc:
                 added += sum(exc.results)
                 raise GuardError(

@@ -143,6 +143,8 @@ def _env_of(cfg: Settings) -> dict[str, str]:
     """GUARD_* variables that reproduce ``cfg`` in a child process."""
     out = {}
     for name, value in cfg.model_dump().items():
+        if value is None:  # unset stays unset (GUARD_PROTECT_READS: follow GUARD_ENV)
+            continue
         if hasattr(value, "get_secret_value"):
             value = value.get_secret_value()
         out[f"GUARD_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)

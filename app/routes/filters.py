@@ -16,6 +16,7 @@ from app.deps import (
     FilterName,
     FiltersDep,
     IdempotencyDep,
+    ReadAuth,
     RecordsDep,
     RedisDep,
     SettingsDep,
@@ -47,7 +48,9 @@ class FilterList(BaseModel):
 
 
 class ReserveIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: true is no capacity, nor "5" a bucket size. No NaN or Infinity (Python's json
+    # reads them): they would slip past the bounds below.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     capacity: int = Field(ge=1, description="Items the filter must hold (limit GUARD_MAX_CAPACITY)")
     # ge=1e-12: far below what 32-bit fingerprints reach, and keeps the library's sizing
@@ -71,10 +74,6 @@ class ItemsIn(BaseModel):
     items: list[str] = Field(description="1-GUARD_MAX_BATCH strings of 1-GUARD_MAX_ITEM_BYTES")
 
 
-class AddIn(ItemsIn):
-    unique: bool = Field(False, description="Skip items that are probably present already")
-
-
 class Results(BaseModel):
     results: list[bool]
 
@@ -96,7 +95,12 @@ def _info(info: Any) -> dict[str, Any]:
     return data
 
 
-@router.get("", response_model=FilterList, responses=errors.UNAVAILABLE)
+@router.get(
+    "",
+    response_model=FilterList,
+    dependencies=[ReadAuth],
+    responses={**errors.UNAUTHORIZED, **errors.UNAVAILABLE},
+)
 async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
     """Every filter with its info; damaged ones by name only."""
     report = await read_filters(redis, filters.get, filters.prefix)
@@ -134,7 +138,12 @@ async def create(body: ReserveIn, cf: AdminFilterDep, settings: SettingsDep) -> 
     return _info(info)
 
 
-@router.get("/{name}", response_model=FilterInfo, responses={**errors.NOT_FOUND, **errors.COMMON})
+@router.get(
+    "/{name}",
+    response_model=FilterInfo,
+    dependencies=[ReadAuth],
+    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.COMMON},
+)
 async def get(cf: FilterDep) -> Any:
     """A filter's info."""
     return _info(await cf.info())
@@ -178,19 +187,21 @@ async def drop(cf: AdminFilterDep) -> Response:
     },
 )
 async def add(
-    body: AddIn,
+    body: ItemsIn,
     request: Request,
     cf: WritableFilterDep,
     settings: SettingsDep,
     idem: IdempotencyDep,
     idempotency_key: IdemKey = None,
 ) -> JSONResponse:
-    """Add items; `results[i]` is False where `unique` skipped an item. 507 when a fixed-size
-    filter fills up, with `results` saying which items were added."""
+    """Add one copy of each item, present or not (a "unique" add would skip an item whose
+    fingerprint collides with another's, and deleting the other would then lose it). Balance
+    each add with one delete. 507 when a fixed-size filter fills up, with `results` saying
+    which items were added."""
     check_items(body.items, settings)
 
     async def op() -> JSONResponse:
-        return JSONResponse({"results": await cf.insert_many(body.items, unique=body.unique)})
+        return JSONResponse({"results": await cf.insert_many(body.items)})
 
     fp = fingerprint("POST", request.url.path, body.model_dump())
     return await idem.run(cf.name, idempotency_key, fp, op)
@@ -199,7 +210,8 @@ async def add(
 @router.post(
     "/{name}/check",
     response_model=Results,
-    responses={**errors.NOT_FOUND, **errors.TOO_LARGE, **errors.COMMON},
+    dependencies=[ReadAuth],
+    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.TOO_LARGE, **errors.COMMON},
 )
 async def check(body: ItemsIn, cf: FilterDep, settings: SettingsDep) -> Any:
     """Which items are probably present (False is certain, True may be a false positive)."""
@@ -228,7 +240,8 @@ async def delete_items(
     idem: IdempotencyDep,
     idempotency_key: IdemKey = None,
 ) -> JSONResponse:
-    """Delete items (only ones that were added: deleting others can cause false negatives)."""
+    """Delete one copy of each item (only ones that were added: deleting others can cause
+    false negatives)."""
     check_items(body.items, settings)
 
     async def op() -> JSONResponse:
@@ -272,7 +285,6 @@ async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
     response_model=Added,
     dependencies=[Auth],
     responses={
-        200: {"model": Added, "description": "Probably present already; not added again"},
         **errors.UNAUTHORIZED,
         **errors.NOT_FOUND,
         **errors.CONFLICT,
@@ -289,12 +301,18 @@ async def put_item(
     idem: IdempotencyDep,
     idempotency_key: IdemKey = None,
 ) -> JSONResponse:
-    """Add one item unless it is probably present: 201 added, 200 already there."""
+    """Add one copy of the item: always 201 `{"added": true}`, present already or not.
+
+    A filter cannot tell "this item is here" from "another item with the same fingerprint is
+    here", so skipping "present" items would let a later DELETE of the other item lose this
+    one. Each PUT is therefore balanced by one DELETE. Retries are safe with an
+    `Idempotency-Key` (they run once); a retry without one leaves an extra copy, which costs
+    a slot and one more DELETE to remove, never an item."""
     check_item(item, settings, ("path", "item"))
 
     async def op() -> JSONResponse:
-        added = await cf.insert_unique(item)
-        return JSONResponse({"added": added}, status_code=201 if added else 200)
+        await cf.insert(item)
+        return JSONResponse({"added": True}, status_code=201)
 
     return await idem.run(cf.name, idempotency_key, fingerprint("PUT", request.url.path, None), op)
 
@@ -302,7 +320,8 @@ async def put_item(
 @router.get(
     "/{name}/items/{item:path}",
     response_model=Exists,
-    responses={**errors.NOT_FOUND, **errors.COMMON},
+    dependencies=[ReadAuth],
+    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.COMMON},
 )
 async def get_item(item: str, name: FilterName, request: Request) -> Any:
     """Whether one item is probably present."""
@@ -332,7 +351,7 @@ async def delete_item(
     idem: IdempotencyDep,
     idempotency_key: IdemKey = None,
 ) -> JSONResponse:
-    """Delete one item."""
+    """Delete one copy of the item (one PUT's worth)."""
     check_item(item, settings, ("path", "item"))
 
     async def op() -> JSONResponse:

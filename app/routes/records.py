@@ -6,10 +6,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app import errors
 from app.deps import Auth, RecordsDep, SettingsDep, check_item
+from app.errors import finite_json
 
 router = APIRouter(prefix="/records", tags=["records"])
 
@@ -19,7 +20,16 @@ NOT_FOUND: errors.Responses = {404: {"model": errors.ErrorBody, "description": "
 class RecordIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    value: Any = Field(description="Any JSON value")
+    value: Any = Field(description="Any JSON value (numbers finite: no NaN or Infinity)")
+
+    @field_validator("value")
+    @classmethod
+    def _finite(cls, value: Any) -> Any:
+        # Python's json module reads NaN and Infinity, but they are not JSON: the stored row
+        # could not be answered with. Rejected here, before anything is written.
+        if not finite_json(value):
+            raise ValueError("numbers must be finite (no NaN, Infinity or -Infinity)")
+        return value
 
 
 class RecordOut(BaseModel):
@@ -63,7 +73,9 @@ async def get_record(key: str, request: Request, records: RecordsDep, settings: 
 )
 async def put_record(key: str, body: RecordIn, records: RecordsDep, settings: SettingsDep) -> Any:
     """Create (201) or replace (200) a record. A new key enters the filter before the row
-    becomes visible."""
+    becomes visible. A value with a non-finite number (NaN, Infinity) is refused with 422
+    before anything is written; a write that fails later rolls back both the row and the
+    filter change."""
     check_item(key, settings, ("path", "key"))
     created = await records.put(key, body.value)
     return JSONResponse({"key": key, "value": body.value}, status_code=201 if created else 200)

@@ -6,7 +6,11 @@ import asyncio
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
+from app.settings import Settings
+from guard import CuckooFilter
+from tests import collide
 from tests.app.conftest import AUTH, Service, StartService
 
 INFO_FIELDS = {
@@ -16,8 +20,10 @@ INFO_FIELDS = {
 }  # fmt: skip
 
 
-async def create(svc: Service, name: str = "users", **body: object) -> dict[str, object]:
-    r = await svc.client.put(f"/filters/{name}", json={"capacity": 1000, **body}, headers=AUTH)
+async def create(
+    svc: Service, name: str = "users", *, headers: dict[str, str] = AUTH, **body: object
+) -> dict[str, object]:
+    r = await svc.client.put(f"/filters/{name}", json={"capacity": 1000, **body}, headers=headers)
     assert r.status_code == 201, r.text
     return dict(r.json())
 
@@ -93,11 +99,21 @@ class TestItems:
         r = await svc.client.post("/filters/users/check", json={"items": ["a", "b"]})
         assert r.json() == {"results": [False, True]}
 
-    async def test_add_unique_skips_present(self, svc: Service) -> None:
+    async def test_add_inserts_a_copy_per_item(self, svc: Service) -> None:
         await create(svc)
-        body = {"items": ["a", "a", "b"], "unique": True}
+        r = await svc.client.post("/filters/users/add", json={"items": ["a", "a"]}, headers=AUTH)
+        assert r.json() == {"results": [True, True]}
+        await svc.client.post("/filters/users/delete", json={"items": ["a"]}, headers=AUTH)
+        r = await svc.client.post("/filters/users/check", json={"items": ["a"]})
+        assert r.json() == {"results": [True]}  # one copy left for the second add
+
+    async def test_unique_add_is_not_offered(self, svc: Service) -> None:
+        """A "unique" add skips an item that merely collides with another: refused, by name."""
+        await create(svc)
+        body = {"items": ["a"], "unique": True}
         r = await svc.client.post("/filters/users/add", json=body, headers=AUTH)
-        assert r.json() == {"results": [True, False, True]}
+        assert r.status_code == 422
+        field_error(r, "body", "unique")
 
     async def test_add_to_full_fixed_filter_is_507_with_results(self, svc: Service) -> None:
         await create(svc, capacity=8, expansion=0, bucket_size=1, fingerprint_bits=8)
@@ -119,12 +135,24 @@ class TestItems:
             )
             assert r.status_code == 404, path
 
-    async def test_put_item_201_then_200(self, svc: Service) -> None:
+    async def test_each_put_adds_a_copy_each_delete_removes_one(self, svc: Service) -> None:
         await create(svc)
-        r = await svc.client.put("/filters/users/items/alice", headers=AUTH)
-        assert r.status_code == 201 and r.json() == {"added": True}
-        r = await svc.client.put("/filters/users/items/alice", headers=AUTH)
-        assert r.status_code == 200 and r.json() == {"added": False}
+        for _ in range(2):
+            r = await svc.client.put("/filters/users/items/alice", headers=AUTH)
+            assert r.status_code == 201 and r.json() == {"added": True}
+        assert (await svc.client.get("/filters/users")).json()["items"] == 2
+        await svc.client.delete("/filters/users/items/alice", headers=AUTH)
+        assert (await svc.client.get("/filters/users/items/alice")).json() == {"exists": True}
+        await svc.client.delete("/filters/users/items/alice", headers=AUTH)
+        assert (await svc.client.get("/filters/users/items/alice")).json() == {"exists": False}
+
+    async def test_put_retried_with_idempotency_key_adds_once(self, svc: Service) -> None:
+        await create(svc)
+        headers = {**AUTH, "Idempotency-Key": "put-1"}
+        for _ in range(2):
+            r = await svc.client.put("/filters/users/items/alice", headers=headers)
+            assert r.status_code == 201 and r.json() == {"added": True}
+        assert (await svc.client.get("/filters/users")).json()["items"] == 1
 
     async def test_get_item(self, svc: Service) -> None:
         await create(svc)
@@ -178,7 +206,7 @@ MUTATIONS = [
 
 
 class TestAuth:
-    """Every mutating route needs the bearer key; reads do not."""
+    """Every mutating route needs the bearer key; reads do not by default outside production."""
 
     async def test_mutation_without_key_is_401(self, svc: Service) -> None:
         bad_headers: list[dict[str, Any]] = [
@@ -209,6 +237,56 @@ class TestAuth:
         svc = await start(api_key="")
         r = await svc.client.put("/filters/users", json={"capacity": 10})
         assert r.status_code == 201
+
+
+STRONG_KEY = "k3y-for-the-read-auth-tests-0123456789abcdef"
+STRONG = {"Authorization": f"Bearer {STRONG_KEY}"}
+READS = [
+    ("GET", "/filters", None),
+    ("GET", "/filters/users", None),
+    ("POST", "/filters/users/check", {"items": ["a"]}),
+    ("GET", "/filters/users/items/a", None),
+]
+
+
+class TestReadAuth:
+    """GUARD_PROTECT_READS: filter reads need the key (by default in production); the guarded
+    /records routes stay public."""
+
+    async def statuses(self, svc: Service, headers: dict[str, str]) -> list[int]:
+        return [
+            (await svc.client.request(m, p, json=body, headers=headers)).status_code
+            for m, p, body in READS
+        ]
+
+    async def test_production_default_needs_the_key(self, start: StartService) -> None:
+        svc = await start(env="production", api_key=STRONG_KEY)
+        await create(svc, headers=STRONG)
+        assert await self.statuses(svc, {}) == [401] * 4
+        assert await self.statuses(svc, {"Authorization": "Bearer wrong"}) == [401] * 4
+        assert await self.statuses(svc, STRONG) == [200] * 4
+        r = await svc.client.get("/records/user-1")
+        assert r.status_code == 200 and r.headers["x-guard"] == "passed"
+
+    async def test_no_key_does_not_tell_a_filter_exists(self, start: StartService) -> None:
+        svc = await start(protect_reads=True)
+        assert (await svc.client.get("/filters/nope")).status_code == 401
+        assert (await svc.client.get("/filters/nope", headers=AUTH)).status_code == 404
+
+    async def test_production_can_open_reads(self, start: StartService) -> None:
+        svc = await start(env="production", api_key=STRONG_KEY, protect_reads=False)
+        await create(svc, headers=STRONG)
+        assert await self.statuses(svc, {}) == [200] * 4
+
+    async def test_development_can_close_reads(self, start: StartService) -> None:
+        svc = await start(protect_reads=True)
+        await create(svc)
+        assert await self.statuses(svc, {}) == [401] * 4
+        assert await self.statuses(svc, AUTH) == [200] * 4
+
+    def test_protected_reads_need_a_key(self) -> None:
+        with pytest.raises(ValidationError, match="GUARD_PROTECT_READS"):
+            Settings(protect_reads=True, api_key="")
 
 
 class TestLimits:
@@ -462,7 +540,7 @@ class TestIdempotency:
         svc = await start(idempotency_wait=0.2)
         await create(svc)
         idem = svc.state["idempotency"]
-        fp = fingerprint("POST", "/filters/users/add", {"items": ["a"], "unique": False})
+        fp = fingerprint("POST", "/filters/users/add", {"items": ["a"]})
         await svc.redis.set(
             idem._key("users", "k7"), f'{{"state": "pending", "fp": "{fp}", "token": "t"}}'
         )
@@ -471,3 +549,40 @@ class TestIdempotency:
         )
         assert r.status_code == 409 and "in progress" in r.json()["detail"]
         assert (await svc.client.get("/filters/users")).json()["items"] == 0
+
+
+class TestCollidingItemsAreNeverLost:
+    """Two items with the same fingerprint and buckets (issue #13 §4): adding both through any
+    route and deleting one must leave the other found."""
+
+    @pytest.fixture
+    async def pair(self, svc: Service) -> tuple[str, str]:
+        cf = CuckooFilter(svc.redis, "users", svc.settings.key_prefix)
+        await cf.reserve(collide.CAPACITY, **collide.PARAMS)
+        return collide.colliding_pair()
+
+    async def test_put_put_delete(self, svc: Service, pair: tuple[str, str]) -> None:
+        x, y = pair
+        for item in (x, y):
+            r = await svc.client.put(f"/filters/users/items/{item}", headers=AUTH)
+            assert r.status_code == 201 and r.json() == {"added": True}, item
+        r = await svc.client.delete(f"/filters/users/items/{y}", headers=AUTH)
+        assert r.json() == {"deleted": True}
+        assert (await svc.client.get(f"/filters/users/items/{x}")).json() == {"exists": True}
+
+    async def test_batch_add_add_delete(self, svc: Service, pair: tuple[str, str]) -> None:
+        x, y = pair
+        for item in (x, y):
+            r = await svc.client.post("/filters/users/add", json={"items": [item]}, headers=AUTH)
+            assert r.json() == {"results": [True]}
+        r = await svc.client.post("/filters/users/delete", json={"items": [y]}, headers=AUTH)
+        assert r.json() == {"results": [True]}
+        r = await svc.client.post("/filters/users/check", json={"items": [x]})
+        assert r.json() == {"results": [True]}
+
+    async def test_mixed_routes(self, svc: Service, pair: tuple[str, str]) -> None:
+        x, y = pair
+        await svc.client.post("/filters/users/add", json={"items": [x]}, headers=AUTH)
+        await svc.client.put(f"/filters/users/items/{y}", headers=AUTH)
+        await svc.client.post("/filters/users/delete", json={"items": [x]}, headers=AUTH)
+        assert (await svc.client.get(f"/filters/users/items/{y}")).json() == {"exists": True}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 
 import pytest
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -164,6 +165,32 @@ class TestFilterFollowsTable:
                 assert await svc.db.get(f"f{i}") is None  # the insert rolled back
                 break
         assert codes[-1] == 507 and set(codes[:-1]) <= {201}
+
+    async def test_database_failure_after_filter_insert_undoes_both(
+        self, svc: Service, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The INSERT fails after the key entered the filter: no row, and no fingerprint."""
+        store, db = svc.records, svc.db
+        real_apply, real_query = store._filters_apply, db._query
+        inserted = False
+
+        async def apply(key: str, *, add: bool) -> None:
+            nonlocal inserted
+            await real_apply(key, add=add)
+            inserted = add
+
+        async def query() -> None:
+            if inserted:
+                raise sqlite3.OperationalError("disk I/O error")
+            await real_query()
+
+        monkeypatch.setattr(store, "_filters_apply", apply)
+        monkeypatch.setattr(db, "_query", query)
+        with pytest.raises(sqlite3.OperationalError):
+            await store.put("doomed", 1)
+        monkeypatch.undo()
+        assert await db.get("doomed") is None
+        assert await store.filter.count("doomed") == 0
 
     async def test_items_match_rows_after_traffic(self, svc: Service) -> None:
         for i in range(30):

@@ -164,16 +164,16 @@ class TestOpenAPI:
             ("/health", "get"): {"200", "503"},
             ("/metrics", "get"): {"200"},
             ("/stats", "get"): {"200"},
-            ("/filters", "get"): {"200", "503"},
+            ("/filters", "get"): {"200", "401", "503"},
             ("/filters/{name}", "put"): {"201", "401", "409", "413", "422", "503"},
-            ("/filters/{name}", "get"): {"200", "404", "422", "503"},
+            ("/filters/{name}", "get"): {"200", "401", "404", "422", "503"},
             ("/filters/{name}", "delete"): {"204", "401", "404", "409", "503"},
             ("/filters/{name}/add", "post"): {"200", "401", "404", "413", "422", "503", "507"},
-            ("/filters/{name}/check", "post"): {"200", "404", "413", "422", "503"},
+            ("/filters/{name}/check", "post"): {"200", "401", "404", "413", "422", "503"},
             ("/filters/{name}/delete", "post"): {"200", "401", "404", "413", "422", "503"},
             ("/filters/{name}/rebuild", "post"): {"200", "401", "404", "409", "503"},
-            ("/filters/{name}/items/{item}", "put"): {"200", "201", "401", "404", "507"},
-            ("/filters/{name}/items/{item}", "get"): {"200", "404"},
+            ("/filters/{name}/items/{item}", "put"): {"201", "401", "404", "507"},
+            ("/filters/{name}/items/{item}", "get"): {"200", "401", "404"},
             ("/filters/{name}/items/{item}", "delete"): {"200", "401", "404"},
             ("/records/{key}", "get"): {"200", "404", "503"},
             ("/records/{key}", "put"): {"200", "201", "401", "422", "503"},
@@ -182,6 +182,8 @@ class TestOpenAPI:
         for (path, method), codes in expected.items():
             documented = set(paths[path][method]["responses"])
             assert codes <= documented, (path, method, codes - documented)
+        # Every PUT of an item adds a copy: there is no "200 already there" answer.
+        assert "200" not in paths["/filters/{name}/items/{item}"]["put"]["responses"]
 
     async def test_item_lookup_parameters_documented(self, svc: Service) -> None:
         """The lookup takes its filter name without FilterDep; the docs must not notice."""

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from app.cli import cli
 from app.settings import Settings
 from guard import SyncCuckooFilter, SyncShardedCuckooFilter
+from tests import collide
 from tests.redis_server import free_port
 from tests.served import clean_env, run_module
 
@@ -132,6 +133,28 @@ class TestLoad:
         cf = SyncCuckooFilter(cli_redis, "big", cli_env["GUARD_KEY_PREFIX"])
         assert cf.info().items == 20_000
         assert all(cf.lookup_many(items))
+
+    def test_load_keeps_colliding_items(
+        self, cli_env: dict[str, str], cli_redis: redis.Redis, tmp_path: Path
+    ) -> None:
+        """Every line is a copy: of two items with one fingerprint and bucket pair, deleting
+        one (as DELETE /filters/{name}/items/{item} would) leaves the other found."""
+        x, y = collide.colliding_pair()
+        cf = SyncCuckooFilter(cli_redis, "pair", cli_env["GUARD_KEY_PREFIX"])
+        cf.reserve(collide.CAPACITY, **collide.PARAMS)
+        path = tmp_path / "items.txt"
+        path.write_text(f"{x}\n{y}\n")
+        code, out, err = guard("load", "pair", str(path))
+        assert code == 0, err
+        assert "(2 added)" in out
+        assert cf.delete(y)
+        assert cf.lookup(x)
+
+    def test_load_has_no_unique_option(self, cli_env: dict[str, str], tmp_path: Path) -> None:
+        path = tmp_path / "items.txt"
+        path.write_text("a\n")
+        code, _, err = guard("load", "x", str(path), "--unique", "--create")
+        assert code == 2 and "--unique" in err
 
     def test_load_csv_column_with_create(
         self, cli_env: dict[str, str], cli_redis: redis.Redis, tmp_path: Path

@@ -5,11 +5,14 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import hypothesis
 import pytest
 import redis
 import schemathesis
+from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import status_code_conformance
 
 from tests.redis_server import RedisProcess
@@ -50,17 +53,31 @@ def api_schema(fuzzed: Fuzzed) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(f"{fuzzed.app.url}/openapi.json")
 
 
+@pytest.fixture(scope="module")
+def negative_schema(fuzzed: Fuzzed) -> schemathesis.BaseSchema:
+    """Only inputs that break the schema: wrong types, out-of-range numbers, extra fields."""
+    loaded = schemathesis.openapi.from_url(f"{fuzzed.app.url}/openapi.json")
+    loaded.config.generation.update(modes=[GenerationMode.NEGATIVE])
+    return loaded
+
+
 schema = schemathesis.pytest.from_fixture("api_schema")
+# The routes with something to break: a body, or a filter name with a pattern. (The others
+# take no input, or any string: there is no negative case to generate for them.)
+negative = schemathesis.pytest.from_fixture("negative_schema").include(
+    name_regex=r"^\w+ /filters/\{name\}|^PUT /records/"
+)
 
 
-@schema.parametrize()
-@hypothesis.settings(
+FUZZ = hypothesis.settings(
     max_examples=25,
     deadline=None,
     suppress_health_check=list(hypothesis.HealthCheck),
     derandomize=True,
 )
-def test_every_answer_is_documented(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
+
+
+def call_and_check(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
     """Authorized and anonymous requests alike: a documented status, never a 5xx but 503/507."""
     headers = AUTH if case.operation.method.upper() != "GET" else {}
     response = case.call(headers=headers, timeout=10)
@@ -72,16 +89,68 @@ def test_every_answer_is_documented(case: schemathesis.Case, fuzzed: Fuzzed) -> 
     case.validate_response(response, checks=[status_code_conformance])
 
 
+@schema.parametrize()
+@FUZZ
+def test_every_answer_is_documented(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
+    call_and_check(case, fuzzed)
+
+
+@negative.parametrize()
+@FUZZ
+def test_wrong_input_is_never_a_5xx(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
+    call_and_check(case, fuzzed)
+
+
+def _body_fields(spec: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(method, path, field) for every property of every JSON request body in the schema."""
+    found = []
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json")
+            if body is None:
+                continue
+            name = body["schema"]["$ref"].rsplit("/", 1)[-1]
+            for field in spec["components"]["schemas"][name]["properties"]:
+                found.append((method.upper(), path, field))
+    return found
+
+
+class TestNonFiniteNumbers:
+    """JSON has no NaN or Infinity, so schemathesis never sends them, but Python's parser
+    reads them: every field of every body in the schema gets each one, and answers 422."""
+
+    @pytest.mark.parametrize("raw", ["NaN", "Infinity", "-Infinity", "1e400"])
+    def test_every_body_field_is_422(self, fuzzed: Fuzzed, raw: str) -> None:
+        spec = httpx.get(f"{fuzzed.app.url}/openapi.json").json()
+        fields = _body_fields(spec)
+        assert len(fields) >= 10  # reserve (6), add/check/delete (items), records (value)
+        for method, path, field in fields:
+            url = fuzzed.app.url + path.format(name="fuzz-nan", item="x", key="nan-key")
+            r = httpx.request(
+                method, url, content=f'{{"{field}": {raw}}}'.encode(),
+                headers={**AUTH, "Content-Type": "application/json"},
+            )  # fmt: skip
+            assert r.status_code == 422, (method, path, field, r.status_code, r.text[:300])
+            assert any(e["loc"][:2] == ["body", field] for e in r.json()["detail"]), r.text
+
+
 class TestHostileBodies:
     """Bodies FastAPI cannot even decode get the same 422 shape as every other bad input."""
 
     @pytest.mark.parametrize("body", [b'{"items": ["\xff\xfe"]}', b"\xc3\x28", b"\x80" * 100])
     def test_invalid_utf8_is_422(self, fuzzed: Fuzzed, body: bytes) -> None:
-        import httpx
-
         r = httpx.post(
             f"{fuzzed.app.url}/filters/x/check", content=body,
             headers={"Content-Type": "application/json"},
         )  # fmt: skip
         assert r.status_code == 422, r.text
         assert r.json()["detail"][0]["loc"] == ["body"] and "UTF-8" in r.text
+
+    @pytest.mark.parametrize(
+        "path", ["/records/%FF", "/filters/%C0%AF", "/filters/x/items/%ED%A0%80"]
+    )
+    def test_path_not_utf8_is_422(self, fuzzed: Fuzzed, path: str) -> None:
+        """Through a real server (uvicorn's raw_path), not only the test transport."""
+        r = httpx.get(f"{fuzzed.app.url}{path}")
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"][0]["loc"][0] == "path" and "UTF-8" in r.text
