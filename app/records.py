@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import random
 import uuid
 from collections.abc import Awaitable, Callable, Hashable
@@ -293,9 +292,7 @@ class RecordStore:
             await self.redis.delete(self._snapshot_flag, self._journal)
             await self.staging.drop()
         rows = await self.db.count()
-        capacity = max(
-            self.settings.records_min_capacity, math.ceil(rows * self.settings.records_headroom)
-        )
+        capacity = self.settings.capacity_for(rows)
         await self.staging.reserve(capacity, error_rate=self.settings.records_error_rate)
 
         async def mark_snapshot() -> None:

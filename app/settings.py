@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -125,6 +126,11 @@ class Settings(BaseSettings):
         if self.protect_reads and not self.auth_enabled:
             raise ValueError("GUARD_PROTECT_READS=true needs a GUARD_API_KEY")
         return self
+
+    def capacity_for(self, rows: int) -> int:
+        """A filter's capacity for `rows` keys: room to grow (GUARD_RECORDS_HEADROOM) without
+        adding sub-filters, never below GUARD_RECORDS_MIN_CAPACITY."""
+        return max(self.records_min_capacity, math.ceil(rows * self.records_headroom))
 
     @property
     def auth_enabled(self) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import sys
 import time
 from collections.abc import Iterator
@@ -330,8 +329,7 @@ def load(
         if not cf.exists():
             if not create:
                 raise GuardError(f"{name}: no such filter (create it, or pass --create)")
-            # The service's headroom (GUARD_RECORDS_HEADROOM): room to grow without a resize.
-            cf.reserve(max(1, math.ceil(total * cfg.records_headroom)), error_rate=error_rate)
+            cf.reserve(cfg.capacity_for(total), error_rate=error_rate)  # sized as the service sizes
             created = True
         try:
             seen, added, elapsed = _load_into(cf, name, file, column, header, batch, total)
