@@ -438,7 +438,24 @@ class _FilterOps:
         raise GuardError(f"{self.name}: layout kept changing during promote")
 
 
+RESERVE_OPTIONS = (
+    "error_rate",
+    "fingerprint_bits",
+    "bucket_size",
+    "max_kicks",
+    "expansion",
+    "seed",
+)
+
+
 def _plan(capacity: int, **params: Any) -> Layout:
+    # A misspelt option used to be ignored: reserve(100, bucket_sise=2) made bucket size 4.
+    unknown = sorted(set(params) - set(RESERVE_OPTIONS))
+    if unknown:
+        raise InvalidParameterError(
+            f"unknown reserve option(s) {', '.join(unknown)}; "
+            f"it accepts {', '.join(RESERVE_OPTIONS)}"
+        )
     return plan_layout(
         capacity,
         error_rate=params.get("error_rate"),

@@ -75,6 +75,10 @@ class TestReserve:
             ({"capacity": 10, "error_rate": 5e-324}, "needs 1078-bit fingerprints"),
             ({"capacity": 10, "error_rate": 0.01, "fingerprint_bits": 8}, "not both"),
             ({"capacity": MAX_STRING_BYTES * 2}, "512 MB"),
+            (
+                {"capacity": 10, "bucket_sise": 2, "expansoin": 0},
+                "unknown reserve option\\(s\\) bucket_sise, expansoin; it accepts error_rate",
+            ),
         ],
     )
     def test_bad_parameters_raise_before_any_write(
