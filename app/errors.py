@@ -139,9 +139,8 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
 def damaged_filter(exc: FilterCorruptError) -> str:
-    """The filter's name from the library's message ("<name>: <reason in key ...>")."""
-    name = str(exc).split(":", 1)[0]
-    return name if _NAME.fullmatch(name) else "?"
+    """The filter's name, as the library gives it (never a key name)."""
+    return exc.filter if _NAME.fullmatch(exc.filter) else "?"
 
 
 def error_response(exc: BaseException, retry_after: int = 1) -> JSONResponse | None:

@@ -61,8 +61,10 @@ def map_error(exc: ResponseError, what: str) -> Exception:
     text = str(exc)
     match = _GUARD_REPLY.search(text)
     if match:
-        cls = _CODES.get(match.group(1), GuardError)
-        return cls(f"{what}: {match.group(2).strip()}")
+        cls, reason = _CODES.get(match.group(1), GuardError), match.group(2).strip()
+        if cls is FilterCorruptError:
+            return FilterCorruptError(what, reason)
+        return cls(f"{what}: {reason}")
     if "WRONGTYPE" in text:  # Redis 7 puts it first; 6.2 after "Error running script ..."
-        return FilterCorruptError(f"{what}: a key of the filter holds another type")
+        return FilterCorruptError(what, "a key of the filter holds another type")
     return exc
