@@ -561,6 +561,15 @@ class CuckooFilter(_FilterOps):
         layout = _plan(capacity, **params)
         return await self._run(self._reserve_op(layout, capacity, params.get("error_rate")))
 
+    async def bulk_load(
+        self, items: Any, capacity: int | None = None, **options: Any
+    ) -> FilterInfo:
+        """Make the filter from ``items`` (an iterable or async iterable of items, or of lists
+        of items) in one build: see guard/bulk.py:bulk_load for the options."""
+        from guard import bulk
+
+        return await bulk.abulk_load(self, items, capacity, **options)
+
     async def insert(self, item: str | bytes) -> bool:
         return (await self._run(self._insert_op([item], unique=False)))[0]
 
@@ -666,6 +675,12 @@ class SyncCuckooFilter(_FilterOps):
     def reserve(self, capacity: int, **params: Any) -> FilterInfo:
         layout = _plan(capacity, **params)
         return self._run(self._reserve_op(layout, capacity, params.get("error_rate")))
+
+    def bulk_load(self, items: Any, capacity: int | None = None, **options: Any) -> FilterInfo:
+        """Make the filter from ``items`` in one build: see guard/bulk.py:bulk_load."""
+        from guard import bulk
+
+        return bulk.bulk_load(self, items, capacity, **options)
 
     def insert(self, item: str | bytes) -> bool:
         return self._run(self._insert_op([item], unique=False))[0]

@@ -413,6 +413,15 @@ class ShardedCuckooFilter(_ShardedOps):
         ``CuckooFilter.reserve``; each shard gets capacity / shards plus headroom."""
         return await self._run(self._reserve_op(capacity, params))
 
+    async def bulk_load(
+        self, items: Any, capacity: int | None = None, **options: Any
+    ) -> ShardedFilterInfo:
+        """Make the filter from ``items`` in one build, shard by shard: see
+        guard/bulk.py:bulk_load (``capacity`` is the total, as for reserve)."""
+        from guard import bulk
+
+        return await bulk.abulk_load(self, items, capacity, **options)
+
     async def insert(self, item: str | bytes) -> bool:
         return (await self.insert_many([item]))[0]
 
@@ -548,6 +557,14 @@ class SyncShardedCuckooFilter(_ShardedOps):
 
     def reserve(self, capacity: int, **params: Any) -> ShardedFilterInfo:
         return self._run(self._reserve_op(capacity, params))
+
+    def bulk_load(
+        self, items: Any, capacity: int | None = None, **options: Any
+    ) -> ShardedFilterInfo:
+        """Make the filter from ``items`` in one build: see guard/bulk.py:bulk_load."""
+        from guard import bulk
+
+        return bulk.bulk_load(self, items, capacity, **options)
 
     def insert(self, item: str | bytes) -> bool:
         return self.insert_many([item])[0]

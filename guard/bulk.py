@@ -1,0 +1,831 @@
+"""Bulk builds: a filter made whole in memory with numpy, uploaded as its staging copy, promoted.
+
+Inserting items one script call at a time costs Redis 15-60 µs of CPU per item; a filter that
+is being *made* (a load into a new filter, a rebuild from the database) needs none of that
+atomicity while it is invisible. The builder streams its input in chunks, keeping only each
+item's hash (12 bytes: ``h`` and ``g``, guard/hashing.py), places every item with whole-array
+operations, packs the sub-filter strings exactly as docs/format.md lays them out, writes them
+under the filter's staging keys and swaps them in with the project's own promote script.
+
+Placement, per sub-filter, on a table of item numbers (the owner of every slot):
+
+1. **first choice**: each item claims a slot in its primary bucket, one slot per bucket per
+   pass (a scatter whose surviving write is the winner), up to ``b`` passes;
+2. **second choice**: the rest claim slots in their alternate bucket the same way;
+3. **kick rounds**: the homeless items walk as the scripts' kick chains do, all at once: each
+   goes to a free slot of its current bucket if one is left, else takes a random slot of it,
+   and the item it evicted moves on to its own other bucket. Every round keeps every placed
+   item in one of its two buckets; the homeless ones are always held in an array, never lost.
+
+What is still homeless after the rounds is never dropped. A growing filter (``expansion`` >
+0) gets its next sub-filter, as insert.lua's growth would make it (``m0 * k^n`` buckets, one
+more fingerprint bit when sized by error rate), and the leftovers are placed there the same
+way. A fixed-size filter that cannot hold them raises FilterFullError before anything is
+written: the same answer the scripts would give, and the sizing rule (``capacity`` →
+guard/layout.py:buckets_for) leaves the margin that makes it rare. The kick rounds fill a table
+to about the load sequential inserts reach (docs/bench-bulk.md).
+
+The upload writes each staging string so that it passes the promote script's layout check only
+once it is whole (tag first, allocating the string at its exact length; then the table; the
+header last), and nothing reads a staging copy but promote. When the build creates a filter,
+promote runs in a MULTI under WATCH of the live key, so a filter someone else created meanwhile
+is never replaced (FilterExistsError). A failure anywhere leaves the live filter untouched and
+deletes the staging copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import AsyncIterable, Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from itertools import islice, repeat
+from typing import Any, NamedTuple
+
+import mmh3
+import numpy as np
+from redis.exceptions import ResponseError, WatchError
+
+from guard import hashing, scripts
+from guard import layout as fmt
+from guard.errors import (
+    FilterExistsError,
+    FilterFullError,
+    GuardError,
+    InvalidParameterError,
+)
+from guard.layout import Layout
+
+CHUNK_ITEMS = 1 << 16  # items hashed per step: the only Python objects held at once
+UPLOAD_BYTES = 4 << 20  # bytes per SETRANGE: no command is huge, however large the filter
+PIPELINE_BYTES = 32 << 20  # SETRANGE payload sent per round trip
+# Kick rounds stop when PATIENCE rounds placed under 1 % of the homeless (and at least one):
+# the table is as full as walking gets it. MAX_ROUNDS bounds them in any case; a round is a
+# few passes over the homeless items' arrays.
+PATIENCE = 64
+MAX_ROUNDS = 4000
+# Items a walk leaves homeless are searched for one by one (breadth first, in Python) when at
+# most SEARCH_ITEMS are left, each search reaching at most SEARCH_BUCKETS buckets.
+SEARCH_ITEMS = 256
+SEARCH_BUCKETS = 1 << 15
+MAX_U64 = 2**64 - 1
+
+Items = Iterable[str | bytes] | Iterable[list[str | bytes]]
+
+
+# -- hashing --------------------------------------------------------------------------------
+
+
+def _digests(chunk: list[Any], seed: int) -> np.ndarray:
+    """The 128-bit mmh3 hash of every item, as (n, 2) little-endian words: one C call each.
+
+    The same hash as guard/hashing.py's item_hash, item_hashes and shard_of, taken once: the
+    builder needs its shard bits (96..127) beside ``h`` and ``g``.
+    """
+    digest = mmh3.mmh3_x64_128_digest
+    try:
+        raw = b"".join(map(digest, chunk, repeat(seed)))
+    except TypeError:  # str items (the digest takes bytes only), or something not an item
+        raw = b"".join([digest(hashing.to_bytes(x), seed) for x in chunk])
+    return np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
+
+
+class Hashes:
+    """The input, reduced to what placement needs: per shard, ``h`` (uint64) and ``g``
+    (uint32) of every item, in input order. Fed one chunk at a time."""
+
+    def __init__(self, seed: int, shards: int = 1) -> None:
+        self.seed = seed
+        self.shards = shards
+        self._h: list[list[np.ndarray]] = [[] for _ in range(shards)]
+        self._g: list[list[np.ndarray]] = [[] for _ in range(shards)]
+        self.count = 0
+
+    def add(self, chunk: list[Any]) -> None:
+        if not chunk:
+            return
+        words = _digests(chunk, self.seed)
+        h = words[:, 0] & np.uint64(hashing.H_MASK)
+        g = (words[:, 1] & np.uint64(hashing.G_MASK)).astype(np.uint32)
+        self.count += len(chunk)
+        if self.shards == 1:
+            self._h[0].append(h)
+            self._g[0].append(g)
+            return
+        shard = (words[:, 1] >> np.uint64(32)) % np.uint64(self.shards)  # hashing.shard_of
+        order = np.argsort(shard, kind="stable")
+        bounds = np.cumsum(np.bincount(shard.astype(np.intp), minlength=self.shards))
+        for i, part in enumerate(np.split(order, bounds[:-1])):
+            if len(part):
+                self._h[i].append(h[part])
+                self._g[i].append(g[part])
+
+    def take(self, shard: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """One shard's (h, g) arrays, handed over: the sink forgets them."""
+        h = np.concatenate(self._h[shard]) if self._h[shard] else np.zeros(0, np.uint64)
+        g = np.concatenate(self._g[shard]) if self._g[shard] else np.zeros(0, np.uint32)
+        self._h[shard] = self._g[shard] = []
+        return h, g
+
+
+# -- placement ------------------------------------------------------------------------------
+
+
+class _Table:
+    """One sub-filter being filled: the number of the item in every slot (-1: empty).
+
+    Items are numbered 0..n-1 in the arrays of their buckets; bucket numbers fit int32 (a
+    sub-filter string of at most 512 MB has at most 2**30 buckets, so i1 + i2 does too).
+    """
+
+    def __init__(self, buckets: int, bucket_size: int, dtype: Any) -> None:
+        self.m = buckets
+        self.b = bucket_size
+        self.owner = np.full(buckets * bucket_size, -1, dtype=dtype)
+        self.fill = np.zeros(buckets, dtype=np.int8)
+        self.items = 0
+        self._claims = np.empty(buckets, dtype=dtype)
+
+    def claim(self, ids: np.ndarray, bucket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Put each item ``ids[k]`` in a free slot of ``bucket[k]`` where one is left;
+        returns the items not placed (their bucket is full) and their buckets.
+
+        One pass gives every bucket at most one new item: of the items writing their number
+        into a bucket's cell, the one whose number survived wins. Which one survives does not
+        matter; that exactly one does is what a scatter guarantees.
+        """
+        b = self.b
+        full_ids, full_buckets = [ids[:0]], [bucket[:0]]
+        if self.items:
+            is_open = self.fill[bucket] < b
+            full_ids.append(ids[~is_open])
+            full_buckets.append(bucket[~is_open])
+            ids, bucket = ids[is_open], bucket[is_open]
+        while len(ids):
+            self._claims[bucket] = ids
+            won = self._claims[bucket] == ids
+            at = bucket[won]
+            # Slot numbers stay below 2**30 (a 512 MB string of 4-bit slots): int32 holds them.
+            self.owner[at * b + self.fill[at]] = ids[won]
+            self.fill[at] += 1
+            self.items += len(at)
+            lost = ~won
+            ids, bucket = ids[lost], bucket[lost]
+            is_open = self.fill[bucket] < b
+            if not is_open.all():
+                full_ids.append(ids[~is_open])
+                full_buckets.append(bucket[~is_open])
+                ids, bucket = ids[is_open], bucket[is_open]
+        return np.concatenate(full_ids), np.concatenate(full_buckets)
+
+    def place(self, i1: np.ndarray, i2: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Place items 0..n-1 (buckets ``i1[k]``, ``i2[k]``); returns the numbers of those
+        left homeless."""
+        homeless, _ = self.claim(np.arange(len(i1), dtype=self.owner.dtype), i1)
+        homeless, _ = self.claim(homeless, i2[homeless])
+        if len(homeless):
+            homeless = self._kick(homeless, i1, i2, rng)
+        if 0 < len(homeless) <= SEARCH_ITEMS:
+            placed = [self._search(int(k), i1, i2) for k in homeless]
+            homeless = homeless[~np.array(placed, dtype=bool)]
+        return homeless
+
+    def _kick(
+        self, homeless: np.ndarray, i1: np.ndarray, i2: np.ndarray, rng: np.random.Generator
+    ) -> np.ndarray:
+        """The kick chains of all homeless items at once (see the module docstring)."""
+        free = self.m * self.b - self.items
+        # No more walkers than free slots: the others have no slot to reach in this table.
+        ids, aside = homeless[:free], homeless[free:]
+        at = np.where(rng.random(len(ids)) < 0.5, i1[ids], i2[ids])
+        window = len(ids)  # homeless at the start of the current PATIENCE rounds
+        for rounds in range(1, MAX_ROUNDS + 1):
+            ids, at = self.claim(ids, at)  # a free slot in the current bucket, if one is left
+            if not len(ids):
+                break
+            # One walker per bucket (a scatter picks it, as in claim) takes a random slot of it.
+            self._claims[at] = ids
+            won = self._claims[at] == ids
+            pos = at[won] * self.b + rng.integers(0, self.b, int(won.sum()), dtype=at.dtype)
+            victims = self.owner[pos]
+            self.owner[pos] = ids[won]
+            # A victim moves to its other bucket; a loser tries its own other bucket next.
+            lost = ids[~won]
+            victims_at = i1[victims] + i2[victims] - at[won]
+            lost_at = i1[lost] + i2[lost] - at[~won]
+            ids = np.concatenate([victims, lost])
+            at = np.concatenate([victims_at, lost_at])
+            if rounds % PATIENCE == 0:
+                if window - len(ids) < max(1, window // 100):
+                    break  # as full as walking gets it: the rest go to the next sub-filter
+                window = len(ids)
+        return np.concatenate([ids, aside])
+
+    def _search(self, item: int, i1: np.ndarray, i2: np.ndarray) -> bool:
+        """Place one item by the shortest chain of moves that ends in a free slot, if one
+        exists among the first SEARCH_BUCKETS buckets a breadth-first search reaches.
+
+        For the last few items a walk could not place. Within its reach the search misses no
+        chain, so a table this size holds all the items whenever any arrangement does (for
+        tables of up to SEARCH_BUCKETS buckets: every one a fixed-size filter is checked on).
+        """
+        b, owner, fill = self.b, self.owner, self.fill
+        start = {int(i1[item]), int(i2[item])}
+        # bucket -> (bucket the search came from, slot there whose item can move here)
+        came: dict[int, tuple[int, int] | None] = dict.fromkeys(start)
+        queue = deque(start)
+        while queue and len(came) <= SEARCH_BUCKETS:
+            at = queue.popleft()
+            if fill[at] < b:
+                slot = int(fill[at])
+                fill[at] += 1
+                self.items += 1
+                step = came[at]
+                while step is not None:  # move each item along the chain, last first
+                    prev, prev_slot = step
+                    owner[at * b + slot] = owner[prev * b + prev_slot]
+                    at, slot, step = prev, prev_slot, came[prev]
+                owner[at * b + slot] = item
+                return True
+            for s in range(b):
+                other = owner[at * b + s]
+                nxt = int(i1[other] + i2[other]) - at
+                if nxt not in came:
+                    came[nxt] = (at, s)
+                    queue.append(nxt)
+        return False
+
+
+# -- packing --------------------------------------------------------------------------------
+
+
+def pack_slots(values: np.ndarray, fp_bits: int) -> bytes:
+    """Slots as docs/format.md lays them out: ``fp_bits``-bit unsigned big-endian integers,
+    bit-packed from the first bit (what ``BITFIELD GET u<f>`` reads), zero bits at the end.
+
+    Slots go in groups that end on a byte boundary (8 / gcd(f, 8) slots); each group is built
+    in a few 64-bit words with shifts, whole arrays at once, and the words' bytes are the
+    group's bytes.
+    """
+    f = fp_bits
+    nbytes = (len(values) * f + 7) // 8
+    if f in (8, 16, 32):
+        return values.astype(f">u{f // 8}").tobytes()
+    k = 8 // math.gcd(f, 8)  # slots per group; a group is k * f / 8 bytes
+    words = (k * f + 63) // 64
+    groups = -(-len(values) // k)
+    flat = np.zeros(groups * k, dtype=np.uint64)
+    flat[: len(values)] = values
+    v = flat.reshape(groups, k)
+    out = np.zeros((groups, words), dtype=np.uint64)
+    for j in range(k):
+        at = j * f
+        w, shift = at // 64, 64 - at % 64 - f  # the slot's bits end `shift` bits above word w's
+        if shift >= 0:
+            out[:, w] |= v[:, j] << np.uint64(shift)
+        else:  # the slot straddles words w and w + 1
+            out[:, w] |= v[:, j] >> np.uint64(-shift)
+            out[:, w + 1] |= v[:, j] << np.uint64(64 + shift)
+    raw = out.astype(">u8").view(np.uint8).reshape(groups, words * 8)[:, : k * f // 8]
+    return raw.tobytes()[:nbytes]
+
+
+# -- the build ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuiltFilter:
+    """A filter's sub-filter strings, ready to upload (``layout.subfilters`` of them)."""
+
+    layout: Layout
+    strings: list[bytes]
+    items: list[int]  # fingerprints stored per sub-filter
+
+
+def _growth_problem(layout: Layout, n: int) -> str | None:
+    """Why sub-filter n cannot be added, as insert.lua's grow() decides; None when it can."""
+    if not layout.expansion:
+        return "the filter has a fixed size (expansion 0)"
+    if n >= fmt.MAX_SUBFILTERS:
+        return f"it would need more than {fmt.MAX_SUBFILTERS} sub-filters"
+    if layout.fp_step and layout.fp_bits + layout.fp_step * n > fmt.MAX_FP_BITS:
+        return f"sub-filter {n} would need fingerprints over {fmt.MAX_FP_BITS} bits"
+    if layout.string_bytes(n) > fmt.MAX_STRING_BYTES:
+        return f"sub-filter {n} would be larger than a Redis string"
+    return None
+
+
+def _header0(
+    layout: Layout, capacity: int, error_rate: float | None, shards: int, applied: int, source: int
+) -> bytes:
+    if not (applied or source):
+        return fmt.pack_header(layout, capacity, error_rate, shards)
+    # Format version 3 (PLAN Contract A) stores them in sub-filter 0's header.
+    extra = {"applied": applied, "source": source}
+    return fmt.pack_header(layout, capacity, error_rate, shards, **extra)  # type: ignore[call-arg]
+
+
+def _subfilter_string(header0: bytes, layout: Layout, n: int, items: int, table: bytes) -> bytes:
+    """Sub-filter n's whole string: sub-filter 0's header as growth copies it (index n, its own
+    item count, counters and change ids zero), the table, the tag."""
+    header = bytearray(header0)
+    if n:
+        header[9] = header[10] = n
+        header[40:56] = bytes(16)  # deletes, missed deletes: sub-filter 0 only
+        header[64:] = bytes(len(header) - 64)  # applied, source (version 3): sub-filter 0 only
+    header[32:40] = items.to_bytes(8, "big", signed=True)
+    return b"".join([header, table, layout.tag(n)])
+
+
+def _mixed(prefix: np.ndarray, f0: int) -> np.ndarray:
+    """hashing.mix of every item's fingerprint prefix (int64). A prefix has f0 bits, so for
+    narrow ones mix is worked out once per possible value and looked up: 4 modulos per item
+    cost more than one look-up in a table that fits in cache."""
+    if 1 << f0 <= max(1 << 16, len(prefix)):
+        return hashing.mix(np.arange(1 << f0, dtype=np.int64))[prefix]
+    return hashing.mix(prefix.astype(np.int64))
+
+
+def build(
+    h: np.ndarray,
+    g: np.ndarray,
+    layout: Layout,
+    *,
+    name: str,
+    capacity: int,
+    error_rate: float | None,
+    shards: int = 0,
+    applied: int = 0,
+    source: int = 0,
+) -> BuiltFilter:
+    """Place the items whose hashes are ``h``, ``g`` into a filter laid out as ``layout``
+    (sub-filter 0's geometry; it grows from there as the scripts would) and pack its strings.
+
+    Raises FilterFullError when the items do not fit a filter that may not grow further.
+    """
+    f0, b = layout.fp_bits, layout.bucket_size
+    g = np.where(g >> np.uint32(32 - f0) == 0, g + np.uint32(1 << (32 - f0)), g)  # fix_g
+    mixed = _mixed(g >> np.uint32(32 - f0), f0)  # H(P): the same in every sub-filter
+    dtype = np.int32 if len(h) < 2**31 else np.int64
+    rng = np.random.default_rng([layout.seed, len(h)])  # a build is reproducible
+    todo: np.ndarray | None = None  # global numbers of the items still to place (None: all)
+    tables: list[tuple[bytes, int]] = []
+    n = 0
+    while True:
+        m, f = layout.buckets(n), layout.fp_bits_at(n)
+        hh, mm = (h, mixed) if todo is None else (h[todo], mixed[todo])
+        i1 = (hh % np.uint64(m)).astype(np.int64)
+        i2 = ((mm - i1) % m).astype(np.int32)  # hashing.alt_bucket
+        table = _Table(m, b, dtype)
+        homeless = table.place(i1.astype(np.int32), i2, rng)
+        del i1, i2, hh, mm
+        fp = (g if todo is None else g[todo]) >> np.uint32(32 - f)
+        # An empty slot's owner is -1: the last entry, the 0 appended.
+        values = np.append(fp, np.uint32(0))[table.owner]
+        tables.append((pack_slots(values, f), table.items))
+        del values, table, fp
+        if not len(homeless):
+            break
+        todo = homeless if todo is None else todo[homeless]
+        n += 1
+        problem = _growth_problem(layout, n)
+        if problem:
+            raise FilterFullError(
+                f"filter {name!r} is full: {len(todo):,} of {len(h):,} items do not fit "
+                f"({problem}); nothing was written. Give a larger capacity or an expansion"
+            )
+    layout = Layout(
+        layout.bucket_size, f0, layout.fp_step, layout.expansion, len(tables),
+        layout.max_kicks, layout.buckets0, layout.seed,
+    )  # fmt: skip
+    header0 = _header0(layout, capacity, error_rate, shards, applied, source)
+    strings = [
+        _subfilter_string(header0, layout, k, items, table)
+        for k, (table, items) in enumerate(tables)
+    ]
+    return BuiltFilter(layout, strings, [items for _, items in tables])
+
+
+# -- upload and promote (sans-IO: the drivers below run the steps) --------------------------
+
+
+class _Batch(NamedTuple):
+    """Redis commands sent in one pipeline; the reply is the list of their replies.
+
+    With ``unless_exists``, the keys are WATCHed and the commands run in a MULTI only if none
+    of them exists (the reply is then None): a filter created meanwhile is never replaced.
+    """
+
+    commands: list[tuple[Any, ...]]
+    unless_exists: tuple[str, ...] = ()
+
+
+class _Work(NamedTuple):
+    """CPU work (a build): the async driver runs it in a thread, off the event loop."""
+
+    run: Callable[[], Any]
+
+
+Step = _Batch | _Work
+Op = Generator[Step, Any, Any]
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One filter the build writes: a plain filter, or one shard of a sharded filter."""
+
+    name: str
+    live: Callable[[int], str]  # sub-filter n's key
+    staging: Callable[[int], str]
+
+    def live_keys(self) -> list[str]:
+        return [self.live(n) for n in range(fmt.MAX_SUBFILTERS)]
+
+    def staging_keys(self) -> list[str]:
+        return [self.staging(n) for n in range(fmt.MAX_SUBFILTERS)]
+
+
+def _writes(key: str, string: bytes) -> list[tuple[Any, ...]]:
+    """SETRANGEs writing ``string`` to a missing ``key`` so that it passes the scripts' layout
+    check only once whole: the tag first (creating the string at its exact length, as reserve
+    does), then the table in pieces, the header last."""
+    data = memoryview(string)
+    tag_at, table_at = len(data) - fmt.TAG_BYTES, fmt.HEADER_BYTES
+    out: list[tuple[Any, ...]] = [("SETRANGE", key, tag_at, data[tag_at:])]
+    for at in range(table_at, tag_at, UPLOAD_BYTES):
+        out.append(("SETRANGE", key, at, data[at : min(at + UPLOAD_BYTES, tag_at)]))
+    out.append(("SETRANGE", key, 0, data[:table_at]))
+    return out
+
+
+def _upload_op(target: _Target, built: BuiltFilter) -> Op:
+    """Write ``built`` as ``target``'s staging copy (any older copy deleted first)."""
+    yield _Batch([("DEL", *target.staging_keys())])
+    # Sub-filters from the last: sub-filter 0's header, the one a promote reads first, last.
+    commands = [
+        c
+        for n in reversed(range(len(built.strings)))
+        for c in _writes(target.staging(n), built.strings[n])
+    ]
+    batch: list[tuple[Any, ...]] = []
+    size = 0
+    for c in commands:
+        batch.append(c)
+        size += len(c[3])
+        if size >= PIPELINE_BYTES:
+            yield _Batch(batch)
+            batch, size = [], 0
+    if batch:
+        yield _Batch(batch)
+
+
+def _promote_op(target: _Target, layout: Layout, create: bool) -> Op:
+    """Swap the staging copy in with the promote script; when ``create``, only if the live
+    filter still does not exist (FilterExistsError otherwise, the staging copy kept)."""
+    call = (
+        "EVAL",
+        scripts.source("promote"),
+        2 * fmt.MAX_SUBFILTERS,
+        *target.live_keys(),
+        *target.staging_keys(),
+        *layout.args(),
+    )
+    for _ in range(8):
+        try:
+            reply = yield _Batch([call], (target.live(0),) if create else ())
+        except WatchError:  # the live key changed between the check and the swap: look again
+            continue
+        except ResponseError as exc:
+            raise scripts.map_error(exc, target.name) from exc
+        if reply is None:
+            raise FilterExistsError(f"{target.name}: filter exists")
+        if reply[-1] != 1:  # STALE: another build replaced the staging copy meanwhile
+            raise GuardError(f"{target.name}: the staging copy changed during the build")
+        return
+    raise GuardError(f"{target.name}: the filter kept changing while promoting the build")
+
+
+def _cleanup(targets: list[_Target]) -> Op:
+    """Delete the staging copies; a failure here must not hide the one being raised."""
+    try:
+        for t in targets:
+            yield _Batch([("DEL", *t.staging_keys())])
+    except Exception:
+        return
+
+
+# -- the job: what one bulk load does, whatever runs it -------------------------------------
+
+
+def _check_u64(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_U64:
+        raise InvalidParameterError(f"{name} must be an integer from 0 to 2**64-1, got {value!r}")
+    return value
+
+
+@dataclass
+class _Job:
+    """A bulk load of one filter (``shards`` > 0: of a sharded filter, one target per shard)."""
+
+    targets: list[_Target]
+    shards: int  # as the header records it: 0 for a plain filter
+    capacity: int | None
+    params: dict[str, Any]
+    applied: int
+    source: int
+    promote: bool
+    create: bool
+    seed: int | None = None
+    layouts: list[Layout] = field(default_factory=list)
+
+    @classmethod
+    def make(
+        cls,
+        targets: list[_Target],
+        shards: int,
+        capacity: int | None,
+        params: dict[str, Any],
+        *,
+        replace: bool,
+        promote: bool,
+        applied: int,
+        source: int,
+    ) -> _Job:
+        """Every parameter checked as reserve() checks them, before any I/O."""
+        from guard.filter import _plan
+
+        _plan(1 if capacity is None else capacity, **params)  # every option, named if wrong
+        if (applied or source) and "applied" not in fmt.Header._fields:
+            raise InvalidParameterError(
+                f"stored format version {fmt.VERSION} has no room for applied/source"
+            )
+        job = cls(
+            targets,
+            shards,
+            capacity,
+            dict(params),
+            _check_u64("applied", applied),
+            _check_u64("source", source),
+            bool(promote),
+            not replace,
+            params.get("seed"),
+        )
+        return job
+
+    def _capacity(self, count: int) -> int:
+        from guard.sharded import shard_capacity
+
+        total = self.capacity if self.capacity is not None else max(1, count)
+        return shard_capacity(total, self.shards) if self.shards else total
+
+    def prepare_op(self) -> Op:
+        """Before reading the input: refuse an existing filter (when creating one) and pick
+        the seed; returns it."""
+        if self.create and self.promote:
+            reply = yield _Batch([("EXISTS", t.live(0)) for t in self.targets])
+            if any(reply):
+                raise FilterExistsError(f"{self.targets[0].name}: filter exists")
+        elif self.seed is None and self.shards:
+            # A sharded filter replaced keeps its seed, as its staging copy does (sharded.py):
+            # an item routes to the same shard in both, so a lookup between two shards'
+            # promotes still finds it.
+            self.seed = yield from _live_seed_op(self.targets[0], self.shards)
+        if self.seed is None:
+            from guard.filter import _plan
+
+            self.seed = _plan(1, **self.params).seed  # drawn as reserve() draws it
+        return self.seed
+
+    def run_op(self, sink: Hashes) -> Op:
+        """Build, upload and (unless told not to) promote every target."""
+        from guard.filter import _plan
+
+        params = {**self.params, "seed": self.seed}
+        capacity = self._capacity(sink.count)
+        layout = _plan(capacity, **params)
+        try:
+            for i, target in enumerate(self.targets):
+                work = partial(
+                    build,
+                    *sink.take(i),
+                    layout,
+                    name=target.name,
+                    capacity=capacity,
+                    error_rate=params.get("error_rate"),
+                    shards=self.shards,
+                    applied=self.applied,
+                    source=self.source,
+                )
+                built: BuiltFilter = yield _Work(work)
+                del work
+                self.layouts.append(built.layout)
+                yield from _upload_op(target, built)
+                del built
+            if not self.promote:
+                return
+            if self.create and len(self.targets) > 1:  # no shard swapped in if one exists
+                reply = yield _Batch([("EXISTS", t.live(0)) for t in self.targets])
+                if any(reply):
+                    raise FilterExistsError(f"{self.targets[0].name}: filter exists")
+            for target, layout in zip(self.targets, self.layouts, strict=True):
+                yield from _promote_op(target, layout, self.create)
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit):
+                yield from _cleanup(self.targets)
+            raise
+
+
+def _live_seed_op(target: _Target, shards: int) -> Generator[Step, Any, int | None]:
+    """The seed of the live sharded filter (read from shard 0, verified), None if none."""
+    reads = [(command, *args) for command, args in fmt.probe_reads(target.live(0))]
+    reply = yield _Batch([("EXISTS", target.live(0)), *reads])
+    if not reply[0]:
+        return None
+    stored = fmt.Stored(target.live(0), *reply[1:4])
+    layout = fmt.verify_stored(target.name, [stored])
+    recorded = fmt.unpack_header(stored.header).shards
+    if recorded != shards:
+        raise InvalidParameterError(
+            f"{target.name}: the filter has {recorded} shard(s); this handle was opened with "
+            f"shards={shards}"
+        )
+    return layout.seed
+
+
+# -- drivers --------------------------------------------------------------------------------
+
+
+def _chunks(items: Iterable[Any]) -> Iterator[list[Any]]:
+    """The input in lists of about CHUNK_ITEMS items: from items, or from batches of items
+    (lists or tuples, as a database cursor hands them out)."""
+    it = iter(items)
+    first = next(it, None)
+    if first is None:
+        return
+    if isinstance(first, list | tuple):
+        pending = list(first)
+        for batch in it:
+            pending.extend(batch)
+            if len(pending) >= CHUNK_ITEMS:
+                yield pending
+                pending = []
+        if pending:
+            yield pending
+        return
+    yield [first, *islice(it, CHUNK_ITEMS - 1)]
+    while chunk := list(islice(it, CHUNK_ITEMS)):
+        yield chunk
+
+
+async def _achunks(items: AsyncIterable[Any]) -> Any:
+    pending: list[Any] = []
+    async for x in items:
+        if isinstance(x, list | tuple):
+            pending.extend(x)
+        else:
+            pending.append(x)
+        if len(pending) >= CHUNK_ITEMS:
+            yield pending
+            pending = []
+    if pending:
+        yield pending
+
+
+def _send(redis: Any, batch: _Batch) -> Any:
+    if not batch.unless_exists:
+        pipe = redis.pipeline(transaction=False)
+        for c in batch.commands:
+            pipe.execute_command(*c)
+        return pipe.execute()
+    with redis.pipeline(transaction=True) as pipe:
+        pipe.watch(*batch.unless_exists)
+        if pipe.exists(*batch.unless_exists):
+            return None
+        pipe.multi()
+        for c in batch.commands:
+            pipe.execute_command(*c)
+        return pipe.execute()
+
+
+async def _asend(redis: Any, batch: _Batch) -> Any:
+    if not batch.unless_exists:
+        pipe = redis.pipeline(transaction=False)
+        for c in batch.commands:
+            pipe.execute_command(*c)
+        return await pipe.execute()
+    async with redis.pipeline(transaction=True) as pipe:
+        await pipe.watch(*batch.unless_exists)
+        if await pipe.exists(*batch.unless_exists):
+            return None
+        pipe.multi()
+        for c in batch.commands:
+            pipe.execute_command(*c)
+        return await pipe.execute()
+
+
+def _run(redis: Any, op: Op) -> Any:
+    try:
+        step = next(op)
+        while True:
+            try:
+                reply = step.run() if isinstance(step, _Work) else _send(redis, step)
+            except BaseException as exc:  # back into the op, which cleans up and re-raises
+                step = op.throw(exc)
+            else:
+                step = op.send(reply)
+    except StopIteration as done:
+        return done.value
+
+
+async def _arun(redis: Any, op: Op) -> Any:
+    try:
+        step = next(op)
+        while True:
+            try:
+                if isinstance(step, _Work):
+                    reply = await asyncio.to_thread(step.run)
+                else:
+                    reply = await _asend(redis, step)
+            except BaseException as exc:
+                step = op.throw(exc)
+            else:
+                step = op.send(reply)
+    except StopIteration as done:
+        return done.value
+
+
+def _job(handle: Any, capacity: int | None, params: dict[str, Any], **options: Any) -> _Job:
+    """The job for a plain or sharded handle (guard/filter.py, guard/sharded.py)."""
+    shards = getattr(handle, "shards", None)
+    if shards is None:
+        staging = handle.staging()
+        targets = [_Target(handle.name, handle.key, staging.key)]
+        return _Job.make(targets, 0, capacity, params, **options)
+    staging = handle.staging()
+    targets = [
+        _Target(handle.name, partial(handle.key, i), partial(staging.key, i)) for i in range(shards)
+    ]
+    return _Job.make(targets, shards, capacity, params, **options)
+
+
+def bulk_load(
+    handle: Any,
+    items: Items,
+    capacity: int | None = None,
+    *,
+    replace: bool = False,
+    promote: bool = True,
+    applied: int = 0,
+    source: int = 0,
+    **params: Any,
+) -> Any:
+    """Make ``handle``'s filter (SyncCuckooFilter or SyncShardedCuckooFilter) from ``items``.
+
+    ``items``: str/bytes items, or lists of them, streamed (the filter is a multiset: each
+    occurrence is stored). ``capacity`` and ``params`` as ``reserve()`` takes them; capacity
+    None sizes the filter for the items read. ``replace``: swap out an existing filter
+    atomically (else FilterExistsError). ``promote=False``: leave the build in the staging
+    copy (``handle.staging()``) for the caller to change and promote. ``applied``/``source``:
+    the change-log position the items reflect (stored format version 3).
+    Returns the info of the filter written (the staging copy's when not promoted).
+    """
+    job = _job(
+        handle, capacity, params, replace=replace, promote=promote, applied=applied, source=source
+    )
+    seed = _run(handle.redis, job.prepare_op())
+    sink = Hashes(seed, len(job.targets))
+    for chunk in _chunks(items):
+        sink.add(chunk)
+    _run(handle.redis, job.run_op(sink))
+    return (handle if promote else handle.staging()).info()
+
+
+async def abulk_load(
+    handle: Any,
+    items: Items | AsyncIterable[Any],
+    capacity: int | None = None,
+    *,
+    replace: bool = False,
+    promote: bool = True,
+    applied: int = 0,
+    source: int = 0,
+    **params: Any,
+) -> Any:
+    """``bulk_load`` for CuckooFilter and ShardedCuckooFilter; ``items`` may be an async
+    iterable too. Hashing and placement run in a worker thread, off the event loop."""
+    job = _job(
+        handle, capacity, params, replace=replace, promote=promote, applied=applied, source=source
+    )
+    seed = await _arun(handle.redis, job.prepare_op())
+    sink = Hashes(seed, len(job.targets))
+    if isinstance(items, AsyncIterable):
+        async for chunk in _achunks(items):
+            await asyncio.to_thread(sink.add, chunk)
+    else:
+        chunks = _chunks(items)
+        while chunk := await asyncio.to_thread(next, chunks, None):
+            await asyncio.to_thread(sink.add, chunk)
+    await _arun(handle.redis, job.run_op(sink))
+    return await (handle if promote else handle.staging()).info()
