@@ -15,19 +15,23 @@ Placement, per sub-filter, on a table of item numbers (the owner of every slot):
 3. **kick rounds**: the homeless items walk as the scripts' kick chains do, all at once: each
    goes to a free slot of its current bucket if one is left, else takes a random slot of it,
    and the item it evicted moves on to its own other bucket. Every round keeps every placed
-   item in one of its two buckets; the homeless ones are always held in an array, never lost.
+   item in one of its two buckets; the homeless ones are always held in an array, never lost;
+4. **search**: the few a walk leaves (at most SEARCH_ITEMS) are placed one by one along the
+   shortest chain of moves that ends in a free slot, through every sub-filter so far (an item
+   may move to an older one: lookups and deletes read them all). Within its budget the search
+   misses no chain, so the build fits every item whenever any arrangement in as many
+   sub-filters does: never fewer than one-by-one inserts.
 
-What is still homeless after the rounds is never dropped. A growing filter (``expansion`` >
-0) gets its next sub-filter, as insert.lua's growth would make it (``m0 * k^n`` buckets, one
-more fingerprint bit when sized by error rate), and the leftovers are placed there the same
-way. A fixed-size filter that cannot hold them raises FilterFullError before anything is
-written: the same answer the scripts would give, and the sizing rule (``capacity`` →
-guard/layout.py:buckets_for) leaves the margin that makes it rare. The kick rounds fill a table
-to about the load sequential inserts reach (docs/bench-bulk.md).
+What is still homeless is never dropped. A growing filter (``expansion`` > 0) gets its next
+sub-filter, as insert.lua's growth would make it (``m0 * k^n`` buckets, one more fingerprint
+bit when sized by error rate), and the leftovers are placed there the same way. A filter that
+cannot hold them (fixed size, or at a growth limit) raises FilterFullError before anything is
+written: the answer the scripts would give, and the sizing rule (``capacity`` →
+guard/layout.py:buckets_for) leaves the margin that makes it rare.
 
 The upload writes each staging string so that it passes the promote script's layout check only
 once it is whole (tag first, allocating the string at its exact length; then the table; the
-header last), and nothing reads a staging copy but promote. When the build creates a filter,
+header last); lookups never read a staging copy. When the build creates a filter,
 promote runs in a MULTI under WATCH of the live key, so a filter someone else created meanwhile
 is never replaced (FilterExistsError). A failure anywhere leaves the live filter untouched and
 deletes the staging copy.
@@ -59,6 +63,7 @@ from guard.errors import (
 from guard.layout import Layout
 
 CHUNK_ITEMS = 1 << 16  # items hashed per step: the only Python objects held at once
+PACK_SLOTS = 1 << 20  # slots packed at once (a multiple of 8: every slice ends on a byte)
 UPLOAD_BYTES = 4 << 20  # bytes per SETRANGE: no command is huge, however large the filter
 PIPELINE_BYTES = 32 << 20  # SETRANGE payload sent per round trip
 # Kick rounds stop when PATIENCE rounds placed under 1 % of the homeless (and at least one):
@@ -67,9 +72,10 @@ PIPELINE_BYTES = 32 << 20  # SETRANGE payload sent per round trip
 PATIENCE = 64
 MAX_ROUNDS = 4000
 # Items a walk leaves homeless are searched for one by one (breadth first, in Python) when at
-# most SEARCH_ITEMS are left, each search reaching at most SEARCH_BUCKETS buckets.
-SEARCH_ITEMS = 256
-SEARCH_BUCKETS = 1 << 15
+# most SEARCH_ITEMS are left; the searches of one sub-filter visit SEARCH_BUDGET buckets at
+# most (about a second), so an overfull filter fails or grows without a long wait.
+SEARCH_ITEMS = 1024
+SEARCH_BUDGET = 1 << 18
 MAX_U64 = 2**64 - 1
 
 Items = Iterable[str | bytes] | Iterable[list[str | bytes]]
@@ -134,10 +140,11 @@ class Hashes:
 
 
 class _Table:
-    """One sub-filter being filled: the number of the item in every slot (-1: empty).
+    """One sub-filter being filled: in every slot, the number of the item it holds (its place
+    in the input; -1: empty). ``fill[i]`` counts bucket i's slots taken, always its first ones.
 
-    Items are numbered 0..n-1 in the arrays of their buckets; bucket numbers fit int32 (a
-    sub-filter string of at most 512 MB has at most 2**30 buckets, so i1 + i2 does too).
+    Bucket numbers fit int32 (a sub-filter string of at most 512 MB has at most 2**30 buckets,
+    so i1 + i2 does too), and so do slot numbers (2**30 slots of at least 4 bits).
     """
 
     def __init__(self, buckets: int, bucket_size: int, dtype: Any) -> None:
@@ -157,17 +164,15 @@ class _Table:
         matter; that exactly one does is what a scatter guarantees.
         """
         b = self.b
-        full_ids, full_buckets = [ids[:0]], [bucket[:0]]
-        if self.items:
-            is_open = self.fill[bucket] < b
-            full_ids.append(ids[~is_open])
-            full_buckets.append(bucket[~is_open])
-            ids, bucket = ids[is_open], bucket[is_open]
+        if not self.items:
+            return self._claim_empty(ids, bucket)
+        is_open = self.fill[bucket] < b
+        full_ids, full_buckets = [ids[~is_open]], [bucket[~is_open]]
+        ids, bucket = ids[is_open], bucket[is_open]
         while len(ids):
             self._claims[bucket] = ids
             won = self._claims[bucket] == ids
             at = bucket[won]
-            # Slot numbers stay below 2**30 (a 512 MB string of 4-bit slots): int32 holds them.
             self.owner[at * b + self.fill[at]] = ids[won]
             self.fill[at] += 1
             self.items += len(at)
@@ -180,26 +185,59 @@ class _Table:
                 ids, bucket = ids[is_open], bucket[is_open]
         return np.concatenate(full_ids), np.concatenate(full_buckets)
 
-    def place(self, i1: np.ndarray, i2: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """Place items 0..n-1 (buckets ``i1[k]``, ``i2[k]``); returns the numbers of those
-        left homeless."""
-        homeless, _ = self.claim(np.arange(len(i1), dtype=self.owner.dtype), i1)
-        homeless, _ = self.claim(homeless, i2[homeless])
+    def _claim_empty(self, ids: np.ndarray, bucket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """claim() on an empty table, where pass p's winners all take slot p (each of their
+        buckets won once in every earlier pass): no fill counts to read, and after b passes
+        every bucket still wanted is full."""
+        b = self.b
+        for p in range(b):
+            if not len(ids):
+                break
+            self._claims[bucket] = ids
+            won = self._claims[bucket] == ids
+            self.owner[bucket[won] * b + p] = ids[won]
+            lost = ~won
+            ids, bucket = ids[lost], bucket[lost]
+        taken = self.owner.reshape(-1, b) >= 0
+        self.fill[:] = taken.sum(axis=1, dtype=np.int8)
+        self.items = int(taken.sum())
+        return ids, bucket
+
+    def place(
+        self, ids: np.ndarray, i1: np.ndarray, i2: np.ndarray, rng: np.random.Generator
+    ) -> np.ndarray:
+        """Place the items ``ids`` (ascending; ``ids[k]``'s buckets are ``i1[k]``,
+        ``i2[k]``): first choices, second choices, then kick rounds. Returns those homeless."""
+        if len(ids) and ids[-1] == len(ids) - 1:  # 0..n-1: an item's number is its index
+
+            def index(x: np.ndarray) -> np.ndarray:
+                return x
+
+        else:
+
+            def index(x: np.ndarray) -> np.ndarray:
+                return np.searchsorted(ids, x)
+
+        homeless, _ = self.claim(ids, i1)
+        homeless, _ = self.claim(homeless, i2[index(homeless)])
         if len(homeless):
-            homeless = self._kick(homeless, i1, i2, rng)
-        if 0 < len(homeless) <= SEARCH_ITEMS:
-            placed = [self._search(int(k), i1, i2) for k in homeless]
-            homeless = homeless[~np.array(placed, dtype=bool)]
+            homeless = self._kick(homeless, i1, i2, index, rng)
         return homeless
 
     def _kick(
-        self, homeless: np.ndarray, i1: np.ndarray, i2: np.ndarray, rng: np.random.Generator
+        self,
+        homeless: np.ndarray,
+        i1: np.ndarray,
+        i2: np.ndarray,
+        index: Callable[[np.ndarray], np.ndarray],
+        rng: np.random.Generator,
     ) -> np.ndarray:
         """The kick chains of all homeless items at once (see the module docstring)."""
         free = self.m * self.b - self.items
         # No more walkers than free slots: the others have no slot to reach in this table.
         ids, aside = homeless[:free], homeless[free:]
-        at = np.where(rng.random(len(ids)) < 0.5, i1[ids], i2[ids])
+        k = index(ids)
+        at = np.where(rng.random(len(ids)) < 0.5, i1[k], i2[k])
         window = len(ids)  # homeless at the start of the current PATIENCE rounds
         for rounds in range(1, MAX_ROUNDS + 1):
             ids, at = self.claim(ids, at)  # a free slot in the current bucket, if one is left
@@ -213,8 +251,9 @@ class _Table:
             self.owner[pos] = ids[won]
             # A victim moves to its other bucket; a loser tries its own other bucket next.
             lost = ids[~won]
-            victims_at = i1[victims] + i2[victims] - at[won]
-            lost_at = i1[lost] + i2[lost] - at[~won]
+            kv, kl = index(victims), index(lost)
+            victims_at = i1[kv] + i2[kv] - at[won]
+            lost_at = i1[kl] + i2[kl] - at[~won]
             ids = np.concatenate([victims, lost])
             at = np.concatenate([victims_at, lost_at])
             if rounds % PATIENCE == 0:
@@ -223,38 +262,103 @@ class _Table:
                 window = len(ids)
         return np.concatenate([ids, aside])
 
-    def _search(self, item: int, i1: np.ndarray, i2: np.ndarray) -> bool:
-        """Place one item by the shortest chain of moves that ends in a free slot, if one
-        exists among the first SEARCH_BUCKETS buckets a breadth-first search reaches.
 
-        For the last few items a walk could not place. Within its reach the search misses no
-        chain, so a table this size holds all the items whenever any arrangement does (for
-        tables of up to SEARCH_BUCKETS buckets: every one a fixed-size filter is checked on).
+class _Placement:
+    """The items of one build (``h``, fixed ``g``), placed into sub-filters added as
+    insert.lua's growth would add them."""
+
+    def __init__(self, h: np.ndarray, g: np.ndarray, layout: Layout) -> None:
+        self.h, self.g, self.layout = h, g, layout
+        self.tables: list[_Table] = []
+        self._dtype = np.int32 if len(h) < 2**31 else np.int64
+        self._rng = np.random.default_rng([layout.seed, len(h)])  # a build is reproducible
+
+    def add_subfilter(self, ids: np.ndarray | None) -> np.ndarray:
+        """Add the next sub-filter and place the items ``ids`` (ascending; None: all) in it,
+        then search every sub-filter for the few a walk leaves. Returns those still homeless."""
+        n = len(self.tables)
+        m = self.layout.buckets(n)
+        table = _Table(m, self.layout.bucket_size, self._dtype)
+        self.tables.append(table)
+        if ids is None:
+            ids = np.arange(len(self.h), dtype=self._dtype)
+        i1, i2 = self._buckets(ids, m)
+        homeless = table.place(ids, i1, i2, self._rng)
+        del i1, i2, ids
+        if 0 < len(homeless) <= SEARCH_ITEMS:
+            budget = [SEARCH_BUDGET]
+            homeless = np.array(
+                [x for x in homeless.tolist() if not self._search(x, budget)], dtype=self._dtype
+            )
+        return np.sort(homeless)
+
+    def _buckets(self, ids: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """Both buckets (int32) of the items ``ids`` in a sub-filter of m buckets, a slice at
+        a time so that the int64 intermediates stay small.
+
+        ``H(P)`` (hashing.mix of the f0-bit fingerprint prefix) is looked up in a table of
+        every prefix when there are at most as many prefixes as items: four modulos per item
+        cost more than one look-up in a table that fits in a cache."""
+        f0 = self.layout.fp_bits
+        table = None
+        if 1 << f0 <= max(1 << 16, len(ids)):
+            table = hashing.mix(np.arange(1 << f0, dtype=np.int64))
+        i1, i2 = np.empty(len(ids), np.int32), np.empty(len(ids), np.int32)
+        for a in range(0, len(ids), CHUNK_ITEMS * 16):
+            part = slice(a, a + CHUNK_ITEMS * 16)
+            pick = ids[part]
+            prefix = self.g[pick] >> np.uint32(32 - f0)
+            mixed = table[prefix] if table is not None else hashing.mix(prefix.astype(np.int64))
+            first = (self.h[pick] % np.uint64(m)).astype(np.int64)
+            i1[part] = first
+            i2[part] = (mixed - first) % m  # hashing.alt_bucket
+        return i1, i2
+
+    def _nodes(self, item: int) -> list[tuple[int, int]]:
+        """Every (sub-filter, bucket) the item may sit in."""
+        h = int(self.h[item])
+        mixed = hashing.mix(int(self.g[item]) >> (32 - self.layout.fp_bits))
+        out = []
+        for n, table in enumerate(self.tables):
+            i1 = h % table.m
+            i2 = (mixed - i1) % table.m  # hashing.alt_bucket
+            out += [(n, i1), (n, i2)] if i2 != i1 else [(n, i1)]
+        return out
+
+    def _search(self, item: int, budget: list[int]) -> bool:
+        """Place ``item`` by the shortest chain of moves that ends in a free slot of any
+        sub-filter, if a breadth-first search finds one within ``budget[0]`` buckets (the
+        budget is shared by the searches of one sub-filter's leftovers, and used up here).
+
+        A search that ends within its budget misses no chain; so, as in Kuhn's matching
+        algorithm, a build whose searches all end within budget holds every item whenever any
+        arrangement in as many sub-filters does (never fewer than one-by-one inserts place).
+        An item may move to an older sub-filter: lookups and deletes read them all.
         """
-        b, owner, fill = self.b, self.owner, self.fill
-        start = {int(i1[item]), int(i2[item])}
-        # bucket -> (bucket the search came from, slot there whose item can move here)
-        came: dict[int, tuple[int, int] | None] = dict.fromkeys(start)
-        queue = deque(start)
-        while queue and len(came) <= SEARCH_BUCKETS:
-            at = queue.popleft()
-            if fill[at] < b:
-                slot = int(fill[at])
-                fill[at] += 1
-                self.items += 1
-                step = came[at]
-                while step is not None:  # move each item along the chain, last first
-                    prev, prev_slot = step
-                    owner[at * b + slot] = owner[prev * b + prev_slot]
-                    at, slot, step = prev, prev_slot, came[prev]
-                owner[at * b + slot] = item
+        came: dict[tuple[int, int], tuple[tuple[int, int], int] | None]
+        came = dict.fromkeys(self._nodes(item))
+        queue = deque(came)
+        tables, b = self.tables, self.layout.bucket_size
+        while queue and budget[0] > 0:
+            budget[0] -= 1
+            node = queue.popleft()
+            n, i = node
+            if tables[n].fill[i] < b:
+                slot = int(tables[n].fill[i])
+                tables[n].fill[i] += 1
+                tables[n].items += 1
+                step = came[node]
+                while step is not None:  # each item on the chain moves on, the last first
+                    (pn, pi), ps = step
+                    tables[n].owner[i * b + slot] = tables[pn].owner[pi * b + ps]
+                    n, i, slot, step = pn, pi, ps, came[pn, pi]
+                tables[n].owner[i * b + slot] = item
                 return True
             for s in range(b):
-                other = owner[at * b + s]
-                nxt = int(i1[other] + i2[other]) - at
-                if nxt not in came:
-                    came[nxt] = (at, s)
-                    queue.append(nxt)
+                for nxt in self._nodes(int(tables[n].owner[i * b + s])):
+                    if nxt not in came:
+                        came[nxt] = (node, s)
+                        queue.append(nxt)
         return False
 
 
@@ -300,7 +404,7 @@ class BuiltFilter:
     """A filter's sub-filter strings, ready to upload (``layout.subfilters`` of them)."""
 
     layout: Layout
-    strings: list[bytes]
+    strings: list[bytes | bytearray]
     items: list[int]  # fingerprints stored per sub-filter
 
 
@@ -327,25 +431,30 @@ def _header0(
     return fmt.pack_header(layout, capacity, error_rate, shards, **extra)  # type: ignore[call-arg]
 
 
-def _subfilter_string(header0: bytes, layout: Layout, n: int, items: int, table: bytes) -> bytes:
+def _subfilter_string(
+    header0: bytes, layout: Layout, n: int, table: _Table, g: np.ndarray
+) -> bytearray:
     """Sub-filter n's whole string: sub-filter 0's header as growth copies it (index n, its own
-    item count, counters and change ids zero), the table, the tag."""
+    item count, counters and change ids zero), the table packed a slice at a time (the slots'
+    fingerprints exist only a slice at a time), the tag."""
+    out = bytearray(layout.string_bytes(n))
     header = bytearray(header0)
     if n:
         header[9] = header[10] = n
         header[40:56] = bytes(16)  # deletes, missed deletes: sub-filter 0 only
         header[64:] = bytes(len(header) - 64)  # applied, source (version 3): sub-filter 0 only
-    header[32:40] = items.to_bytes(8, "big", signed=True)
-    return b"".join([header, table, layout.tag(n)])
-
-
-def _mixed(prefix: np.ndarray, f0: int) -> np.ndarray:
-    """hashing.mix of every item's fingerprint prefix (int64). A prefix has f0 bits, so for
-    narrow ones mix is worked out once per possible value and looked up: 4 modulos per item
-    cost more than one look-up in a table that fits in cache."""
-    if 1 << f0 <= max(1 << 16, len(prefix)):
-        return hashing.mix(np.arange(1 << f0, dtype=np.int64))[prefix]
-    return hashing.mix(prefix.astype(np.int64))
+    header[32:40] = table.items.to_bytes(8, "big", signed=True)
+    out[: len(header)] = header
+    f = layout.fp_bits_at(n)
+    at = fmt.HEADER_BYTES
+    for start in range(0, len(table.owner) if table.items else 0, PACK_SLOTS):
+        owner = table.owner[start : start + PACK_SLOTS]
+        prints = np.where(owner >= 0, g[owner] >> np.uint32(32 - f), 0)  # hashing.fingerprint
+        packed = pack_slots(prints, f)
+        out[at : at + len(packed)] = packed
+        at += len(packed)
+    out[-fmt.TAG_BYTES :] = layout.tag(n)
+    return out
 
 
 def build(
@@ -363,49 +472,36 @@ def build(
     """Place the items whose hashes are ``h``, ``g`` into a filter laid out as ``layout``
     (sub-filter 0's geometry; it grows from there as the scripts would) and pack its strings.
 
+    ``g`` is changed in place (hashing.fix_g): the arrays are handed over, not lent.
     Raises FilterFullError when the items do not fit a filter that may not grow further.
     """
-    f0, b = layout.fp_bits, layout.bucket_size
-    g = np.where(g >> np.uint32(32 - f0) == 0, g + np.uint32(1 << (32 - f0)), g)  # fix_g
-    mixed = _mixed(g >> np.uint32(32 - f0), f0)  # H(P): the same in every sub-filter
-    dtype = np.int32 if len(h) < 2**31 else np.int64
-    rng = np.random.default_rng([layout.seed, len(h)])  # a build is reproducible
-    todo: np.ndarray | None = None  # global numbers of the items still to place (None: all)
-    tables: list[tuple[bytes, int]] = []
-    n = 0
-    while True:
-        m, f = layout.buckets(n), layout.fp_bits_at(n)
-        hh, mm = (h, mixed) if todo is None else (h[todo], mixed[todo])
-        i1 = (hh % np.uint64(m)).astype(np.int64)
-        i2 = ((mm - i1) % m).astype(np.int32)  # hashing.alt_bucket
-        table = _Table(m, b, dtype)
-        homeless = table.place(i1.astype(np.int32), i2, rng)
-        del i1, i2, hh, mm
-        fp = (g if todo is None else g[todo]) >> np.uint32(32 - f)
-        # An empty slot's owner is -1: the last entry, the 0 appended.
-        values = np.append(fp, np.uint32(0))[table.owner]
-        tables.append((pack_slots(values, f), table.items))
-        del values, table, fp
-        if not len(homeless):
-            break
-        todo = homeless if todo is None else todo[homeless]
-        n += 1
-        problem = _growth_problem(layout, n)
+    f0 = layout.fp_bits
+    g[g >> np.uint32(32 - f0) == 0] += np.uint32(1 << (32 - f0))  # hashing.fix_g
+    placement = _Placement(h, g, layout)
+    homeless = placement.add_subfilter(None)
+    while len(homeless):
+        problem = _growth_problem(layout, len(placement.tables))
         if problem:
             raise FilterFullError(
-                f"filter {name!r} is full: {len(todo):,} of {len(h):,} items do not fit "
+                f"filter {name!r} is full: {len(homeless):,} of {len(h):,} items do not fit "
                 f"({problem}); nothing was written. Give a larger capacity or an expansion"
             )
+        homeless = placement.add_subfilter(homeless)
+    tables = placement.tables
+    del placement, h, homeless
     layout = Layout(
         layout.bucket_size, f0, layout.fp_step, layout.expansion, len(tables),
         layout.max_kicks, layout.buckets0, layout.seed,
     )  # fmt: skip
     header0 = _header0(layout, capacity, error_rate, shards, applied, source)
-    strings = [
-        _subfilter_string(header0, layout, k, items, table)
-        for k, (table, items) in enumerate(tables)
-    ]
-    return BuiltFilter(layout, strings, [items for _, items in tables])
+    strings: list[bytes | bytearray] = []
+    items = []
+    while tables:  # each table freed once packed
+        table = tables.pop(0)
+        strings.append(_subfilter_string(header0, layout, len(strings), table, g))
+        items.append(table.items)
+        del table
+    return BuiltFilter(layout, strings, items)
 
 
 # -- upload and promote (sans-IO: the drivers below run the steps) --------------------------
@@ -447,7 +543,7 @@ class _Target:
         return [self.staging(n) for n in range(fmt.MAX_SUBFILTERS)]
 
 
-def _writes(key: str, string: bytes) -> list[tuple[Any, ...]]:
+def _writes(key: str, string: bytes | bytearray) -> list[tuple[Any, ...]]:
     """SETRANGEs writing ``string`` to a missing ``key`` so that it passes the scripts' layout
     check only once whole: the tag first (creating the string at its exact length, as reserve
     does), then the table in pieces, the header last."""
@@ -598,6 +694,22 @@ class _Job:
             self.seed = _plan(1, **self.params).seed  # drawn as reserve() draws it
         return self.seed
 
+    def _build(
+        self, sink: Hashes, shard: int, layout: Layout, capacity: int, name: str
+    ) -> BuiltFilter:
+        # The hashes are handed over here, in the worker: build() holds the only reference,
+        # and frees each array as soon as it is done with it.
+        return build(
+            *sink.take(shard),
+            layout,
+            name=name,
+            capacity=capacity,
+            error_rate=self.params.get("error_rate"),
+            shards=self.shards,
+            applied=self.applied,
+            source=self.source,
+        )
+
     def run_op(self, sink: Hashes) -> Op:
         """Build, upload and (unless told not to) promote every target."""
         from guard.filter import _plan
@@ -607,19 +719,8 @@ class _Job:
         layout = _plan(capacity, **params)
         try:
             for i, target in enumerate(self.targets):
-                work = partial(
-                    build,
-                    *sink.take(i),
-                    layout,
-                    name=target.name,
-                    capacity=capacity,
-                    error_rate=params.get("error_rate"),
-                    shards=self.shards,
-                    applied=self.applied,
-                    source=self.source,
-                )
+                work = partial(self._build, sink, i, layout, capacity, target.name)
                 built: BuiltFilter = yield _Work(work)
-                del work
                 self.layouts.append(built.layout)
                 yield from _upload_op(target, built)
                 del built

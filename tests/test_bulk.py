@@ -9,6 +9,7 @@ pure-Python twin (tests/reference.py) changes the same tables. Real Redis and fa
 from __future__ import annotations
 
 import itertools
+import random
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -229,6 +230,31 @@ class TestProperties:
         for x in list(live)[:5]:
             assert cf.count(x) >= live[x]
         cf.drop()
+
+
+class TestGrowthLimit:
+    def test_never_short_of_sequential_inserts(self) -> None:
+        """Two sub-filters at most (31-bit prints, one bit more per sub-filter): which items
+        stay in the first decides whether the rest fit the second. The search moves items
+        between sub-filters until they do, wherever one-by-one inserts fit them all."""
+        fitted = 0
+        for seed in range(300):
+            rng = random.Random(seed)
+            lay = plan_layout(
+                1, error_rate=1e-8, fingerprint_bits=None, bucket_size=4, max_kicks=0,
+                expansion=2, seed=seed,
+            )  # fmt: skip
+            assert (lay.fp_bits, lay.buckets0) == (31, 1)
+            items = [rng.choice("abcdefgh") for _ in range(rng.randint(5, 12))]
+            reference = ReferenceFilter(lay)
+            if not all(reference.insert(x) for x in items):
+                continue
+            fitted += 1
+            sink = bulk.Hashes(lay.seed)
+            sink.add(items)
+            built = bulk.build(*sink.take(), lay, name="x", capacity=1, error_rate=1e-8)
+            assert sum(built.items) == len(items)
+        assert fitted > 200
 
 
 class TestPacking:
