@@ -31,10 +31,10 @@ guard/layout.py:buckets_for) leaves the margin that makes it rare.
 
 The upload writes each staging string so that it passes the promote script's layout check only
 once it is whole (tag first, allocating the string at its exact length; then the table; the
-header last); lookups never read a staging copy. When the build creates a filter,
-promote runs in a MULTI under WATCH of the live key, so a filter someone else created meanwhile
-is never replaced (FilterExistsError). A failure anywhere leaves the live filter untouched and
-deletes the staging copy.
+header last); lookups never read a staging copy. When the build creates a filter, the
+promote script runs after a check, in the same script, that the live filter still does not
+exist, so a filter someone else created meanwhile is never replaced (FilterExistsError). A
+failure anywhere leaves the live filter untouched and deletes the staging copy.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 
 import mmh3
 import numpy as np
-from redis.exceptions import ResponseError, WatchError
+from redis.exceptions import ResponseError
 
 from guard import hashing, scripts
 from guard import layout as fmt
@@ -508,14 +508,9 @@ def build(
 
 
 class _Batch(NamedTuple):
-    """Redis commands sent in one pipeline; the reply is the list of their replies.
-
-    With ``unless_exists``, the keys are WATCHed and the commands run in a MULTI only if none
-    of them exists (the reply is then None): a filter created meanwhile is never replaced.
-    """
+    """Redis commands sent in one pipeline; the reply is the list of their replies."""
 
     commands: list[tuple[Any, ...]]
-    unless_exists: tuple[str, ...] = ()
 
 
 class _Work(NamedTuple):
@@ -577,30 +572,27 @@ def _upload_op(target: _Target, built: BuiltFilter) -> Op:
         yield _Batch(batch)
 
 
+# Put before promote.lua when the build creates the filter: one script checks that the live
+# filter still does not exist and swaps the staging copy in, so a filter someone else made
+# meanwhile is never replaced (and the check holds on every client, Redis Cluster included).
+_ONLY_IF_NEW = (
+    "if redis.call('EXISTS', KEYS[1]) == 1 then\n"
+    "  return redis.error_reply('GUARD_EXISTS filter exists')\n"
+    "end\n"
+)
+
+
 def _promote_op(target: _Target, layout: Layout, create: bool) -> Op:
     """Swap the staging copy in with the promote script; when ``create``, only if the live
-    filter still does not exist (FilterExistsError otherwise, the staging copy kept)."""
-    call = (
-        "EVAL",
-        scripts.source("promote"),
-        2 * fmt.MAX_SUBFILTERS,
-        *target.live_keys(),
-        *target.staging_keys(),
-        *layout.args(),
-    )
-    for _ in range(8):
-        try:
-            reply = yield _Batch([call], (target.live(0),) if create else ())
-        except WatchError:  # the live key changed between the check and the swap: look again
-            continue
-        except ResponseError as exc:
-            raise scripts.map_error(exc, target.name) from exc
-        if reply is None:
-            raise FilterExistsError(f"{target.name}: filter exists")
-        if reply[-1] != 1:  # STALE: another build replaced the staging copy meanwhile
-            raise GuardError(f"{target.name}: the staging copy changed during the build")
-        return
-    raise GuardError(f"{target.name}: the filter kept changing while promoting the build")
+    filter still does not exist (FilterExistsError otherwise)."""
+    source = (_ONLY_IF_NEW if create else "") + scripts.source("promote")
+    keys = [*target.live_keys(), *target.staging_keys()]
+    try:
+        (reply,) = yield _Batch([("EVAL", source, len(keys), *keys, *layout.args())])
+    except ResponseError as exc:
+        raise scripts.map_error(exc, target.name) from exc
+    if reply != 1:  # STALE: another build replaced the staging copy meanwhile
+        raise GuardError(f"{target.name}: the staging copy changed during the build")
 
 
 def _cleanup(targets: list[_Target]) -> Op:
@@ -795,35 +787,17 @@ async def _achunks(items: AsyncIterable[Any]) -> Any:
 
 
 def _send(redis: Any, batch: _Batch) -> Any:
-    if not batch.unless_exists:
-        pipe = redis.pipeline(transaction=False)
-        for c in batch.commands:
-            pipe.execute_command(*c)
-        return pipe.execute()
-    with redis.pipeline(transaction=True) as pipe:
-        pipe.watch(*batch.unless_exists)
-        if pipe.exists(*batch.unless_exists):
-            return None
-        pipe.multi()
-        for c in batch.commands:
-            pipe.execute_command(*c)
-        return pipe.execute()
+    pipe = redis.pipeline(transaction=False)
+    for c in batch.commands:
+        pipe.execute_command(*c)
+    return pipe.execute()
 
 
 async def _asend(redis: Any, batch: _Batch) -> Any:
-    if not batch.unless_exists:
-        pipe = redis.pipeline(transaction=False)
-        for c in batch.commands:
-            pipe.execute_command(*c)
-        return await pipe.execute()
-    async with redis.pipeline(transaction=True) as pipe:
-        await pipe.watch(*batch.unless_exists)
-        if await pipe.exists(*batch.unless_exists):
-            return None
-        pipe.multi()
-        for c in batch.commands:
-            pipe.execute_command(*c)
-        return await pipe.execute()
+    pipe = redis.pipeline(transaction=False)
+    for c in batch.commands:
+        pipe.execute_command(*c)
+    return await pipe.execute()
 
 
 def _run(redis: Any, op: Op) -> Any:
