@@ -92,8 +92,11 @@ def _digests(chunk: list[Any], seed: int) -> np.ndarray:
     """
     digest = mmh3.mmh3_x64_128_digest
     try:
-        raw = b"".join(map(digest, chunk, repeat(seed)))
-    except TypeError:  # str items (the digest takes bytes only), or something not an item
+        if isinstance(chunk[0], str):  # the digest takes bytes only; str is UTF-8 encoded
+            raw = b"".join(map(digest, map(str.encode, chunk), repeat(seed)))
+        else:
+            raw = b"".join(map(digest, chunk, repeat(seed)))
+    except TypeError:  # str and bytes mixed, or something that is not an item
         raw = b"".join([digest(hashing.to_bytes(x), seed) for x in chunk])
     return np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
 
@@ -132,7 +135,7 @@ class Hashes:
         """One shard's (h, g) arrays, handed over: the sink forgets them."""
         h = np.concatenate(self._h[shard]) if self._h[shard] else np.zeros(0, np.uint64)
         g = np.concatenate(self._g[shard]) if self._g[shard] else np.zeros(0, np.uint32)
-        self._h[shard] = self._g[shard] = []
+        self._h[shard], self._g[shard] = [], []
         return h, g
 
 
@@ -750,12 +753,15 @@ def _live_seed_op(target: _Target, shards: int) -> Generator[Step, Any, int | No
 # -- drivers --------------------------------------------------------------------------------
 
 
+_END = object()
+
+
 def _chunks(items: Iterable[Any]) -> Iterator[list[Any]]:
     """The input in lists of about CHUNK_ITEMS items: from items, or from batches of items
     (lists or tuples, as a database cursor hands them out)."""
     it = iter(items)
-    first = next(it, None)
-    if first is None:
+    first = next(it, _END)
+    if first is _END:
         return
     if isinstance(first, list | tuple):
         pending = list(first)
