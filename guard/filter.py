@@ -89,6 +89,8 @@ class FilterInfo:
     target_error_rate: float | None
     deletes: int
     missed_deletes: int  # deletes that found nothing: each may have removed another key
+    applied_change: int = 0  # id of the last database change applied (guard/changes.py)
+    change_source: int = 0  # the change log the filter follows (0: none)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -248,9 +250,20 @@ class _FilterOps:
     # -- operations -------------------------------------------------------------------------
 
     def _reserve_op(
-        self, layout: Layout, capacity: int, error_rate: float | None, shards: int = 0
+        self,
+        layout: Layout,
+        capacity: int,
+        error_rate: float | None,
+        shards: int = 0,
+        *,
+        applied: int = 0,
+        source: int = 0,
     ) -> Op:
-        header = fmt.pack_header(layout, capacity, error_rate, shards)
+        _check_int("applied", applied, 0, fmt.MAX_CHANGE_ID)
+        _check_int("source", source, 0, fmt.MAX_SOURCE)
+        header = fmt.pack_header(
+            layout, capacity, error_rate, shards, applied=applied, source=source
+        )
         total = fmt.string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
         yield Round([Call("reserve", [self.key(0)], [header, total, layout.tag(0)])])
         self._layout = layout
@@ -416,6 +429,8 @@ class _FilterOps:
             target_error_rate=first.error_rate,
             deletes=deletes,
             missed_deletes=missed,
+            applied_change=first.applied,
+            change_source=first.source,
         )
 
     def _drop_op(self) -> Op:
@@ -446,6 +461,15 @@ RESERVE_OPTIONS = (
     "expansion",
     "seed",
 )
+# What reserve() of an unsharded filter also takes: the change feed's watermark, for a filter
+# built from a database snapshot (guard/changes.py). A sharded filter refuses them.
+WATERMARK_OPTIONS = ("applied", "source")
+
+
+def _split_watermark(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    """reserve()'s parameters: the layout's, and the watermark's (WATERMARK_OPTIONS)."""
+    rest = {k: v for k, v in params.items() if k not in WATERMARK_OPTIONS}
+    return rest, {k: params[k] for k in WATERMARK_OPTIONS if k in params}
 
 
 def _plan(capacity: int, **params: Any) -> Layout:
@@ -557,9 +581,12 @@ class CuckooFilter(_FilterOps):
 
     async def reserve(self, capacity: int, **params: Any) -> FilterInfo:
         """Create the filter: capacity, error_rate | fingerprint_bits, bucket_size, max_kicks,
-        expansion (0 = fixed size), seed."""
+        expansion (0 = fixed size), seed; applied and source (guard/changes.py) for a filter
+        built from a database snapshot."""
+        params, watermark = _split_watermark(params)
         layout = _plan(capacity, **params)
-        return await self._run(self._reserve_op(layout, capacity, params.get("error_rate")))
+        op = self._reserve_op(layout, capacity, params.get("error_rate"), **watermark)
+        return await self._run(op)
 
     async def insert(self, item: str | bytes) -> bool:
         return (await self._run(self._insert_op([item], unique=False)))[0]
@@ -664,8 +691,9 @@ class SyncCuckooFilter(_FilterOps):
         )
 
     def reserve(self, capacity: int, **params: Any) -> FilterInfo:
+        params, watermark = _split_watermark(params)
         layout = _plan(capacity, **params)
-        return self._run(self._reserve_op(layout, capacity, params.get("error_rate")))
+        return self._run(self._reserve_op(layout, capacity, params.get("error_rate"), **watermark))
 
     def insert(self, item: str | bytes) -> bool:
         return self._run(self._insert_op([item], unique=False))[0]

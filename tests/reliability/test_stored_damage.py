@@ -50,7 +50,7 @@ DAMAGE_KINDS = ["header", "tag", "truncate", "extend", "retype", "delete"]
 DAMAGE = st.tuples(
     st.sampled_from(DAMAGE_KINDS),
     st.integers(0, 63),
-    st.integers(0, 63),
+    st.integers(0, fmt.HEADER_BYTES - 1),
     st.integers(0, 255),
 )
 
