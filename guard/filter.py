@@ -16,7 +16,7 @@ import re
 import secrets
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from redis.exceptions import ClusterError, NoScriptError, ResponseError, TryAgainError
@@ -34,6 +34,9 @@ from guard.errors import (
 from guard.hashing import item_hash, to_bytes
 from guard.layout import Layout
 from guard.reads import ReadPlan, TagMismatch, plan_hashes
+
+if TYPE_CHECKING:
+    from guard.changes import ApplyResult, Change
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_PREFIX = "guard:"
@@ -626,6 +629,27 @@ class CuckooFilter(_FilterOps):
         live = CuckooFilter(self.redis, self.name, self.prefix, _shard=self._shard)
         return await self._run(self._promote_op(live))
 
+    # The change feed (guard/changes.py; imported here, as it builds on this module).
+
+    async def apply_changes(self, changes: Sequence[Change], *, source: int) -> ApplyResult:
+        """Apply database changes exactly once: see guard/changes.py."""
+        from guard.changes import apply_op
+
+        result: ApplyResult = await self._run(apply_op(self, changes, source))
+        return result
+
+    async def applied_change(self) -> int:
+        """The id of the last database change applied to the filter (0: none)."""
+        from guard.changes import applied_op
+
+        return int(await self._run(applied_op(self)))
+
+    async def undo_change(self, change: Change, *, source: int) -> bool:
+        """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
+        from guard.changes import undo_op
+
+        return bool(await self._run(undo_op(self, change, source)))
+
 
 class SyncCuckooFilter(_FilterOps):
     """The same filter over a blocking ``redis.Redis``, for scripts and CLIs."""
@@ -731,6 +755,22 @@ class SyncCuckooFilter(_FilterOps):
     def promote(self) -> bool:
         live = SyncCuckooFilter(self.redis, self.name, self.prefix, _shard=self._shard)
         return self._run(self._promote_op(live))
+
+    def apply_changes(self, changes: Sequence[Change], *, source: int) -> ApplyResult:
+        from guard.changes import apply_op
+
+        result: ApplyResult = self._run(apply_op(self, changes, source))
+        return result
+
+    def applied_change(self) -> int:
+        from guard.changes import applied_op
+
+        return int(self._run(applied_op(self)))
+
+    def undo_change(self, change: Change, *, source: int) -> bool:
+        from guard.changes import undo_op
+
+        return bool(self._run(undo_op(self, change, source)))
 
 
 def _eval_args(call: Call | Command) -> list[Any]:

@@ -28,6 +28,7 @@ def every_operation(cf: SyncCuckooFilter) -> list[Callable[[], object]]:
         lambda: cf.delete("x"),
         lambda: cf.count("x"),
         cf.info,
+        cf.applied_change,
         lambda: fresh.lookup("x"),
         lambda: export_filter(cf, io.BytesIO()),
     ]
