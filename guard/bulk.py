@@ -76,7 +76,6 @@ MAX_ROUNDS = 4000
 # most (about a second), so an overfull filter fails or grows without a long wait.
 SEARCH_ITEMS = 1024
 SEARCH_BUDGET = 1 << 18
-MAX_U64 = 2**64 - 1
 
 Items = Iterable[str | bytes] | Iterable[list[str | bytes]]
 
@@ -424,16 +423,6 @@ def _growth_problem(layout: Layout, n: int) -> str | None:
     return None
 
 
-def _header0(
-    layout: Layout, capacity: int, error_rate: float | None, shards: int, applied: int, source: int
-) -> bytes:
-    if not (applied or source):
-        return fmt.pack_header(layout, capacity, error_rate, shards)
-    # Format version 3 (PLAN Contract A) stores them in sub-filter 0's header.
-    extra = {"applied": applied, "source": source}
-    return fmt.pack_header(layout, capacity, error_rate, shards, **extra)  # type: ignore[call-arg]
-
-
 def _subfilter_string(
     header0: bytes, layout: Layout, n: int, table: _Table, g: np.ndarray
 ) -> bytearray:
@@ -441,13 +430,12 @@ def _subfilter_string(
     item count, counters and change ids zero), the table packed a slice at a time (the slots'
     fingerprints exist only a slice at a time), the tag."""
     out = bytearray(layout.string_bytes(n))
-    header = bytearray(header0)
-    if n:
-        header[9] = header[10] = n
-        header[40:56] = bytes(16)  # deletes, missed deletes: sub-filter 0 only
-        header[64:] = bytes(len(header) - 64)  # applied, source (version 3): sub-filter 0 only
-    header[32:40] = table.items.to_bytes(8, "big", signed=True)
-    out[: len(header)] = header
+    shared = fmt.HEADER_BYTES if n == 0 else fmt.COMMON_BYTES
+    out[:shared] = header0[:shared]
+    if n:  # the bytes after COMMON_BYTES (applied, source) stay 0, as do the delete counters
+        out[fmt.SUBFILTERS_AT] = out[fmt.INDEX_AT] = n
+        out[fmt.DELETES_AT : fmt.ERROR_RATE_AT] = bytes(fmt.ERROR_RATE_AT - fmt.DELETES_AT)
+    out[fmt.ITEMS_AT : fmt.ITEMS_AT + 8] = table.items.to_bytes(8, "big", signed=True)
     f = layout.fp_bits_at(n)
     at = fmt.HEADER_BYTES
     for start in range(0, len(table.owner) if table.items else 0, PACK_SLOTS):
@@ -496,7 +484,7 @@ def build(
         layout.bucket_size, f0, layout.fp_step, layout.expansion, len(tables),
         layout.max_kicks, layout.buckets0, layout.seed,
     )  # fmt: skip
-    header0 = _header0(layout, capacity, error_rate, shards, applied, source)
+    header0 = fmt.pack_header(layout, capacity, error_rate, shards, applied=applied, source=source)
     strings: list[bytes | bytearray] = []
     items = []
     while tables:  # each table freed once packed
@@ -610,9 +598,9 @@ def _cleanup(targets: list[_Target]) -> Op:
 # -- the job: what one bulk load does, whatever runs it -------------------------------------
 
 
-def _check_u64(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_U64:
-        raise InvalidParameterError(f"{name} must be an integer from 0 to 2**64-1, got {value!r}")
+def _check_id(name: str, value: object, highest: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= highest:
+        raise InvalidParameterError(f"{name} must be an integer from 0 to {highest}, got {value!r}")
     return value
 
 
@@ -648,17 +636,13 @@ class _Job:
         from guard.filter import _plan
 
         _plan(1 if capacity is None else capacity, **params)  # every option, named if wrong
-        if (applied or source) and "applied" not in fmt.Header._fields:
-            raise InvalidParameterError(
-                f"stored format version {fmt.VERSION} has no room for applied/source"
-            )
         job = cls(
             targets,
             shards,
             capacity,
             dict(params),
-            _check_u64("applied", applied),
-            _check_u64("source", source),
+            _check_id("applied", applied, fmt.MAX_CHANGE_ID),
+            _check_id("source", source, fmt.MAX_SOURCE),
             bool(promote),
             not replace,
             params.get("seed"),
@@ -792,7 +776,13 @@ async def _achunks(items: AsyncIterable[Any]) -> Any:
         yield pending
 
 
+# One command goes on its own, not in a pipeline: redis-py's pipeline error messages quote the
+# command, and promote's quoted source would be taken for the script's own error reply.
+
+
 def _send(redis: Any, batch: _Batch) -> Any:
+    if len(batch.commands) == 1:
+        return [redis.execute_command(*batch.commands[0])]
     pipe = redis.pipeline(transaction=False)
     for c in batch.commands:
         pipe.execute_command(*c)
@@ -800,6 +790,8 @@ def _send(redis: Any, batch: _Batch) -> Any:
 
 
 async def _asend(redis: Any, batch: _Batch) -> Any:
+    if len(batch.commands) == 1:
+        return [await redis.execute_command(*batch.commands[0])]
     pipe = redis.pipeline(transaction=False)
     for c in batch.commands:
         pipe.execute_command(*c)
@@ -837,70 +829,69 @@ async def _arun(redis: Any, op: Op) -> Any:
         return done.value
 
 
-def _job(handle: Any, capacity: int | None, params: dict[str, Any], **options: Any) -> _Job:
+BULK_OPTIONS = ("replace", "promote", "applied", "source")
+
+
+def _job(handle: Any, capacity: int | None, options: dict[str, Any]) -> _Job:
     """The job for a plain or sharded handle (guard/filter.py, guard/sharded.py)."""
+    from guard.filter import RESERVE_OPTIONS
+
+    unknown = sorted(set(options) - set(RESERVE_OPTIONS) - set(BULK_OPTIONS))
+    if unknown:
+        raise InvalidParameterError(
+            f"unknown bulk_load option(s) {', '.join(unknown)}; "
+            f"it accepts {', '.join(RESERVE_OPTIONS + BULK_OPTIONS)}"
+        )
+    params = {k: v for k, v in options.items() if k in RESERVE_OPTIONS}
+    flags = {
+        "replace": options.get("replace", False),
+        "promote": options.get("promote", True),
+        "applied": options.get("applied", 0),
+        "source": options.get("source", 0),
+    }
     shards = getattr(handle, "shards", None)
-    if shards is None:
-        staging = handle.staging()
-        targets = [_Target(handle.name, handle.key, staging.key)]
-        return _Job.make(targets, 0, capacity, params, **options)
     staging = handle.staging()
-    targets = [
-        _Target(handle.name, partial(handle.key, i), partial(staging.key, i)) for i in range(shards)
-    ]
-    return _Job.make(targets, shards, capacity, params, **options)
+    if shards is None:
+        targets = [_Target(handle.name, handle.key, staging.key)]
+    else:
+        targets = [
+            _Target(handle.name, partial(handle.key, i), partial(staging.key, i))
+            for i in range(shards)
+        ]
+    return _Job.make(targets, shards or 0, capacity, params, **flags)
 
 
-def bulk_load(
-    handle: Any,
-    items: Items,
-    capacity: int | None = None,
-    *,
-    replace: bool = False,
-    promote: bool = True,
-    applied: int = 0,
-    source: int = 0,
-    **params: Any,
-) -> Any:
+def bulk_load(handle: Any, items: Items, capacity: int | None = None, **options: Any) -> Any:
     """Make ``handle``'s filter (SyncCuckooFilter or SyncShardedCuckooFilter) from ``items``.
 
     ``items``: str/bytes items, or lists of them, streamed (the filter is a multiset: each
-    occurrence is stored). ``capacity`` and ``params`` as ``reserve()`` takes them; capacity
-    None sizes the filter for the items read. ``replace``: swap out an existing filter
-    atomically (else FilterExistsError). ``promote=False``: leave the build in the staging
-    copy (``handle.staging()``) for the caller to change and promote. ``applied``/``source``:
-    the change-log position the items reflect (stored format version 3).
+    occurrence is stored). ``capacity`` (the total, for a sharded filter) and the options
+    ``reserve()`` takes; capacity None sizes the filter for the items read. And:
+
+    * ``replace=False``: True swaps out an existing filter atomically (else FilterExistsError,
+      raised before the input is read, and checked again by the swap itself);
+    * ``promote=True``: False leaves the build in the staging copy (``handle.staging()``) for
+      the caller to change and promote;
+    * ``applied=0``, ``source=0``: the change-log position the items reflect (stored format
+      version 3: sub-filter 0's header).
+
     Returns the info of the filter written (the staging copy's when not promoted).
     """
-    job = _job(
-        handle, capacity, params, replace=replace, promote=promote, applied=applied, source=source
-    )
-    seed = _run(handle.redis, job.prepare_op())
-    sink = Hashes(seed, len(job.targets))
+    job = _job(handle, capacity, options)
+    sink = Hashes(_run(handle.redis, job.prepare_op()), len(job.targets))
     for chunk in _chunks(items):
         sink.add(chunk)
     _run(handle.redis, job.run_op(sink))
-    return (handle if promote else handle.staging()).info()
+    return (handle if job.promote else handle.staging()).info()
 
 
 async def abulk_load(
-    handle: Any,
-    items: Items | AsyncIterable[Any],
-    capacity: int | None = None,
-    *,
-    replace: bool = False,
-    promote: bool = True,
-    applied: int = 0,
-    source: int = 0,
-    **params: Any,
+    handle: Any, items: Items | AsyncIterable[Any], capacity: int | None = None, **options: Any
 ) -> Any:
     """``bulk_load`` for CuckooFilter and ShardedCuckooFilter; ``items`` may be an async
     iterable too. Hashing and placement run in a worker thread, off the event loop."""
-    job = _job(
-        handle, capacity, params, replace=replace, promote=promote, applied=applied, source=source
-    )
-    seed = await _arun(handle.redis, job.prepare_op())
-    sink = Hashes(seed, len(job.targets))
+    job = _job(handle, capacity, options)
+    sink = Hashes(await _arun(handle.redis, job.prepare_op()), len(job.targets))
     if isinstance(items, AsyncIterable):
         async for chunk in _achunks(items):
             await asyncio.to_thread(sink.add, chunk)
@@ -909,4 +900,4 @@ async def abulk_load(
         while chunk := await asyncio.to_thread(next, chunks, None):
             await asyncio.to_thread(sink.add, chunk)
     await _arun(handle.redis, job.run_op(sink))
-    return await (handle if promote else handle.staging()).info()
+    return await (handle if job.promote else handle.staging()).info()

@@ -23,7 +23,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from guard import (
+    Change,
     CuckooFilter,
+    FilterCorruptError,
     FilterExistsError,
     FilterFullError,
     InvalidParameterError,
@@ -404,10 +406,11 @@ class TestBulkLoad:
     ) -> None:
         cf = SyncCuckooFilter(sync_redis, "v", prefix=prefix)
         bad: list[tuple[dict[str, Any], str]] = [
-            ({"bucket_sise": 2}, "unknown reserve option"),
+            ({"bucket_sise": 2}, "unknown bulk_load option"),
             ({"capacity": 0}, "capacity"),
             ({"error_rate": 2}, "error_rate"),
             ({"applied": -1}, "applied"),
+            ({"applied": 2**53}, "applied"),
             ({"source": 2**64}, "source"),
         ]
         for options, match in bad:
@@ -416,16 +419,21 @@ class TestBulkLoad:
         assert no_keys(sync_redis, prefix)
 
     def test_change_position_is_stored(self, sync_redis: redis.Redis, prefix: str) -> None:
-        """``applied``/``source`` go into sub-filter 0's header (format version 3)."""
+        """``applied``/``source`` go into sub-filter 0's header only; the change scripts then
+        read them and carry on from there."""
         cf = SyncCuckooFilter(sync_redis, "p", prefix=prefix)
-        if not hasattr(fmt.Header, "applied"):  # version 2 has no room for them
-            with pytest.raises(InvalidParameterError, match="applied"):
-                cf.bulk_load(["a"], applied=7, source=9)
-            return
         cf.bulk_load([f"i{k}" for k in range(500)], 100, applied=7, source=9)
         headers = [fmt.unpack_header(s) for s in stored_strings(sync_redis, cf)]
-        assert (headers[0].applied, headers[0].source) == (7, 9)  # type: ignore[attr-defined]
-        assert all((h.applied, h.source) == (0, 0) for h in headers[1:])  # type: ignore[attr-defined]
+        assert len(headers) > 1 and (headers[0].applied, headers[0].source) == (7, 9)
+        assert all((h.applied, h.source) == (0, 0) for h in headers[1:])
+        info = cf.info()
+        assert (info.applied_change, info.change_source) == (7, 9)
+        assert cf.applied_change() == 7
+        result = cf.apply_changes(
+            [Change(7, True, "old"), Change(8, True, "new"), Change(9, False, "i3")], source=9
+        )
+        assert (result.applied, result.gap) == (9, False)
+        assert cf.lookup_many(["new", "i3", "i4"]) == [True, False, True]
 
 
 class FailingClient:
@@ -470,6 +478,25 @@ class TestFailures:
         with pytest.raises(redis.ConnectionError):
             broken.bulk_load([f"new{k}" for k in range(5000)], replace=True)
         assert stored_strings(sync_redis, cf) == before
+        assert not sync_redis.exists(cf.staging().key())
+
+    def test_damaged_staging_copy_is_not_promoted(
+        self, sync_redis: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Bytes changed between the upload and the swap: promote's own check refuses them,
+        as corruption (not mistaken for anything else), and the live filter stays."""
+        cf = SyncCuckooFilter(sync_redis, "d", prefix=prefix)
+        cf.bulk_load(["old"])
+        upload = bulk._upload_op
+
+        def damaging(target: Any, built: Any) -> Any:
+            yield from upload(target, built)
+            sync_redis.setrange(target.staging(0), 0, b"XXXX")
+
+        monkeypatch.setattr(bulk, "_upload_op", damaging)
+        with pytest.raises(FilterCorruptError, match="bad magic"):
+            cf.bulk_load(["new"], replace=True)
+        assert cf.lookup_many(["old", "new"]) == [True, False]
         assert not sync_redis.exists(cf.staging().key())
 
     def test_out_of_memory_leaves_the_live_filter(self) -> None:
