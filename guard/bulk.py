@@ -850,6 +850,9 @@ def _job(handle: Any, capacity: int | None, options: dict[str, Any]) -> _Job:
         "source": options.get("source", 0),
     }
     shards = getattr(handle, "shards", None)
+    if shards is not None and (flags["applied"] or flags["source"]):
+        # As reserve(): only a plain filter follows a change log (guard/changes.py).
+        raise InvalidParameterError("a sharded filter takes no applied/source")
     staging = handle.staging()
     if shards is None:
         targets = [_Target(handle.name, handle.key, staging.key)]

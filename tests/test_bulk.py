@@ -546,6 +546,12 @@ class TestSharded:
         with pytest.raises(InvalidParameterError, match="2 shard"):
             wrong.bulk_load(["x"], replace=True)
 
+    def test_no_change_position(self, sync_redis: redis.Redis, prefix: str) -> None:
+        """As reserve(): only a plain filter follows a change log."""
+        sf = SyncShardedCuckooFilter(sync_redis, "sh", prefix=prefix, shards=2)
+        with pytest.raises(InvalidParameterError, match="applied/source"):
+            sf.bulk_load(["a"], applied=3)
+
     def test_existing_shard_is_refused(self, sync_redis: redis.Redis, prefix: str) -> None:
         sf = SyncShardedCuckooFilter(sync_redis, "sh", prefix=prefix, shards=2)
         sf.reserve(100)
