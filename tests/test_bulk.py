@@ -11,7 +11,8 @@ from __future__ import annotations
 import itertools
 import random
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from typing import Any
 
 import fakeredis
@@ -44,10 +45,15 @@ from tests.reference import ReferenceFilter
 Signature = tuple[int, int, int, int]  # sub-filter, fingerprint, lower bucket, higher bucket
 
 
-def stored_strings(client: Any, handle: SyncCuckooFilter) -> list[bytes]:
-    first = client.get(handle.key(0))
+def stored_strings(client: Any, key: Callable[[int], str]) -> list[bytes]:
+    """Every sub-filter string of the filter whose sub-filter n is ``key(n)``."""
+    first = client.get(key(0))
     count = fmt.unpack_header(first).layout.subfilters
-    return [first, *(client.get(handle.key(n)) for n in range(1, count))]
+    return [first, *(client.get(key(n)) for n in range(1, count))]
+
+
+def stored_layout(client: Any, key: Callable[[int], str]) -> Layout:
+    return fmt.unpack_header(client.get(key(0))).layout
 
 
 def tables(strings: list[bytes], lay: Layout) -> list[list[int]]:
@@ -103,21 +109,29 @@ def assert_holds_exactly(slots: list[list[int]], lay: Layout, items: list[str]) 
     assert +left == Counter(), f"items not stored: {dict(+left)}"
 
 
-def check_built(client: Any, cf: SyncCuckooFilter, items: list[str]) -> list[list[int]]:
-    """Everything a built filter must be; returns its tables."""
-    strings = stored_strings(client, cf)
+def check_stored(
+    client: Any, key: Callable[[int], str], name: str, items: list[str]
+) -> list[list[int]]:
+    """The stored bytes of a built filter are what they must be; returns its tables."""
+    strings = stored_strings(client, key)
     subs = [
-        fmt.Stored(cf.key(n), s[: fmt.HEADER_BYTES], len(s), s[-fmt.TAG_BYTES :])
+        fmt.Stored(key(n), s[: fmt.HEADER_BYTES], len(s), s[-fmt.TAG_BYTES :])
         for n, s in enumerate(strings)
     ]
-    lay = fmt.verify_stored(cf.name, subs)
+    lay = fmt.verify_stored(name, subs)
     slots = tables(strings, lay)
     assert_holds_exactly(slots, lay, items)
     headers = [fmt.unpack_header(s) for s in strings]
     assert [h.items for h in headers] == [sum(map(bool, t)) for t in slots]
     assert (headers[0].deletes, headers[0].missed_deletes) == (0, 0)
+    return slots
+
+
+def check_built(client: Any, cf: SyncCuckooFilter, items: list[str]) -> list[list[int]]:
+    """Everything a built filter must be, bytes and answers; returns its tables."""
+    slots = check_stored(client, cf.key, cf.name, items)
     info = cf.info()
-    assert info.items == len(items) and info.subfilters == lay.subfilters
+    assert info.items == len(items) and info.subfilters == len(slots)
     if items:
         assert all(cf.lookup_many(items))
     return slots
@@ -197,7 +211,7 @@ class TestProperties:
             assert no_keys(sync_redis, name_prefix)
             return
         slots = check_built(sync_redis, cf, items)
-        built = cf._layout
+        built = stored_layout(sync_redis, cf.key)
         event(f"build: {len(slots)} sub-filter(s)")
         if sequential_fits and len(sequential.tables) == len(slots) == 1:
             event("build: compared with sequential inserts")
@@ -227,7 +241,9 @@ class TestProperties:
         event(f"then: {info.subfilters - len(slots)} sub-filter(s) more")
         assert (info.items, info.deletes) == (sum(live.values()), len(gone))
         assert info.subfilters == len(twin.tables)
-        assert tables(stored_strings(sync_redis, cf), cf._layout) == twin.tables
+        assert tables(stored_strings(sync_redis, cf.key), stored_layout(sync_redis, cf.key)) == (
+            twin.tables
+        )
         assert all(cf.lookup_many(list(live)))
         for x in list(live)[:5]:
             assert cf.count(x) >= live[x]
@@ -311,7 +327,7 @@ class TestBulkLoad:
         b = SyncCuckooFilter(sync_redis, "b", prefix=prefix)
         a.bulk_load(items, 1000, seed=9, fingerprint_bits=12)
         b.bulk_load(iter([items[:1000], items[1000:]]), 1000, seed=9, fingerprint_bits=12)
-        assert stored_strings(sync_redis, a) == stored_strings(sync_redis, b)
+        assert stored_strings(sync_redis, a.key) == stored_strings(sync_redis, b.key)
 
     def test_empty_and_tiny(self, sync_redis: redis.Redis, prefix: str) -> None:
         cf = SyncCuckooFilter(sync_redis, "e", prefix=prefix)
@@ -423,7 +439,7 @@ class TestBulkLoad:
         read them and carry on from there."""
         cf = SyncCuckooFilter(sync_redis, "p", prefix=prefix)
         cf.bulk_load([f"i{k}" for k in range(500)], 100, applied=7, source=9)
-        headers = [fmt.unpack_header(s) for s in stored_strings(sync_redis, cf)]
+        headers = [fmt.unpack_header(s) for s in stored_strings(sync_redis, cf.key)]
         assert len(headers) > 1 and (headers[0].applied, headers[0].source) == (7, 9)
         assert all((h.applied, h.source) == (0, 0) for h in headers[1:])
         info = cf.info()
@@ -473,11 +489,11 @@ class TestFailures:
         monkeypatch.setattr(bulk, "PIPELINE_BYTES", 2048)
         cf = SyncCuckooFilter(sync_redis, "live", prefix=prefix)
         cf.bulk_load([f"old{k}" for k in range(1000)])
-        before = stored_strings(sync_redis, cf)
+        before = stored_strings(sync_redis, cf.key)
         broken = SyncCuckooFilter(FailingClient(sync_redis, after=3), "live", prefix=prefix)
         with pytest.raises(redis.ConnectionError):
             broken.bulk_load([f"new{k}" for k in range(5000)], replace=True)
-        assert stored_strings(sync_redis, cf) == before
+        assert stored_strings(sync_redis, cf.key) == before
         assert not sync_redis.exists(cf.staging().key())
 
     def test_damaged_staging_copy_is_not_promoted(
@@ -506,10 +522,10 @@ class TestFailures:
         try:
             cf = SyncCuckooFilter(client, "live")
             cf.bulk_load([f"old{k}" for k in range(1000)])
-            before = stored_strings(client, cf)
+            before = stored_strings(client, cf.key)
             with pytest.raises(redis.ResponseError, match="maxmemory"):
                 cf.bulk_load([f"new{k}" for k in range(3_000_000)], replace=True)
-            assert stored_strings(client, cf) == before
+            assert stored_strings(client, cf.key) == before
             assert all(cf.lookup_many([f"old{k}" for k in range(1000)]))
             assert not client.exists(cf.staging().key())
         finally:
@@ -524,14 +540,11 @@ class TestSharded:
         info = sf.bulk_load(items, 6000, error_rate=0.001)
         assert info.items == len(items) and info.shards == 3
         assert all(sf.lookup_many(items))
-        seed = sf._seed
-        assert seed is not None
+        seed = stored_layout(sync_redis, partial(sf.key, 0)).seed
         for i in range(3):
-            shard = sf._handles[i]
-            assert isinstance(shard, SyncCuckooFilter)
             mine = [x for x in items if hashing.shard_of(x.encode(), seed, 3) == i]
-            check_built(sync_redis, shard, mine)
-            assert fmt.unpack_header(sync_redis.get(shard.key(0))).shards == 3
+            check_stored(sync_redis, partial(sf.key, i), sf.name, mine)
+            assert fmt.unpack_header(sync_redis.get(sf.key(i))).shards == 3
         assert sf.delete("dup") and sf.count("dup") == 4
 
     def test_replace_keeps_the_seed(self, sync_redis: redis.Redis, prefix: str) -> None:
@@ -609,4 +622,4 @@ def test_fakeredis_and_redis_agree(real_redis: redis.Redis, prefix: str) -> None
     b = SyncCuckooFilter(fake, "same", prefix=prefix)
     a.bulk_load(items, 500, seed=3)
     b.bulk_load(items, 500, seed=3)
-    assert stored_strings(real_redis, a) == stored_strings(fake, b)
+    assert stored_strings(real_redis, a.key) == stored_strings(fake, b.key)
