@@ -854,6 +854,13 @@ def _job(handle: Any, capacity: int | None, options: dict[str, Any]) -> _Job:
         # As reserve(): only a plain filter follows a change log (guard/changes.py).
         raise InvalidParameterError("a sharded filter takes no applied/source")
     staging = handle.staging()
+    if flags["promote"] and staging.key(0) == handle.key(0):
+        # A staging handle's own staging copy is itself: promoting it onto "its live keys"
+        # would delete the build.
+        raise InvalidParameterError(
+            "bulk_load on a staging copy writes it and stops there: pass promote=False, then "
+            "call its promote()"
+        )
     if shards is None:
         targets = [_Target(handle.name, handle.key, staging.key)]
     else:

@@ -417,6 +417,15 @@ class TestBulkLoad:
         assert staging.promote()
         assert cf.lookup_many(["a", "b", "c", "d", "live"]) == [False, True, True, True, False]
 
+    def test_staging_handle_builds_itself(self, sync_redis: redis.Redis, prefix: str) -> None:
+        """On a staging handle the build is its own keys; promoting stays its promote()."""
+        cf = SyncCuckooFilter(sync_redis, "s", prefix=prefix)
+        staging = cf.staging()
+        with pytest.raises(InvalidParameterError, match="promote=False"):
+            staging.bulk_load(["a"])
+        assert staging.bulk_load(["a", "b"], promote=False).items == 2
+        assert staging.promote() and cf.lookup_many(["a", "b"]) == [True, True]
+
     def test_options_checked_as_reserve_checks_them(
         self, sync_redis: redis.Redis, prefix: str
     ) -> None:
