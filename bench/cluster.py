@@ -185,16 +185,16 @@ def report(results: dict[int, dict[str, Any]], items: int, seconds: float) -> st
 def redis_version() -> str:
     import subprocess
 
-    from tests.cluster.server import binary
+    from devkit.redis_server import server_binary
 
-    out = subprocess.run([binary("redis-server"), "--version"], capture_output=True, text=True)
+    out = subprocess.run([server_binary(), "--version"], capture_output=True, text=True)
     return out.stdout.split()[2].removeprefix("v=") if out.stdout else "?"
 
 
 def main(quick: bool = False, out: str | None = None) -> int:
-    # The test suite's launchers: redis-server processes on free loopback ports.
-    from tests.cluster.server import LocalCluster, binary
-    from tests.redis_server import RedisProcess
+    # redis-server processes on free loopback ports, as the tests start them (devkit).
+    from devkit.cluster import LocalCluster
+    from devkit.redis_server import RedisProcess
 
     items = 30_000 if quick else 300_000
     seconds = 2.0 if quick else 6.0
@@ -208,7 +208,7 @@ def main(quick: bool = False, out: str | None = None) -> int:
             cluster.stop()
     # The same shards on one plain redis-server through redis-py's non-cluster client: shows
     # what the cluster client itself costs on the client side.
-    plain = RedisProcess.start(binary=binary("redis-server"))
+    plain = RedisProcess.start()
     try:
         results[0] = measure(plain.url, items, seconds, 1)
     finally:

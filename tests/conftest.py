@@ -18,9 +18,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from devkit.keys import adelete_prefixed, delete_prefixed
+from devkit.redis_server import shared_or_private_redis
 from guard.packing import use_hiredis_packing
-from tests.keys import acleanup, cleanup
-from tests.redis_server import real_redis as real_redis_server
 
 BACKENDS = ["redis", "fakeredis"]
 _real_redis_tests = {"count": 0}
@@ -28,7 +28,7 @@ _real_redis_tests = {"count": 0}
 
 @pytest.fixture(scope="session")
 def real_redis_url() -> Iterator[str]:
-    with real_redis_server("GUARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/12") as url:
+    with shared_or_private_redis("GUARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/12") as url:
         yield url
 
 
@@ -73,7 +73,7 @@ def sync_redis(
     try:
         yield client
     finally:
-        cleanup(client, prefix)
+        delete_prefixed(client, prefix)
         client.close()
 
 
@@ -91,7 +91,7 @@ async def async_redis(
     try:
         yield client
     finally:
-        await acleanup(client, prefix)
+        await adelete_prefixed(client, prefix)
         await client.aclose()
 
 
@@ -103,7 +103,7 @@ def real_redis(real_redis_url: str, prefix: str) -> Iterator[redis.Redis]:
     try:
         yield client
     finally:
-        cleanup(client, prefix)
+        delete_prefixed(client, prefix)
         client.close()
 
 

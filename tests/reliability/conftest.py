@@ -19,8 +19,8 @@ from asgi_lifespan import LifespanManager
 
 from app.main import create_app
 from app.settings import Settings
-from tests.keys import cleanup
-from tests.reliability.service import API_KEY
+from devkit.keys import delete_prefixed
+from devkit.service import API_KEY
 
 
 @dataclass
@@ -70,5 +70,5 @@ async def start_app(real_redis_url: str, prefix: str, tmp_path: Path) -> AsyncIt
         async with stack:
             yield run
     finally:
-        cleanup(plain, prefix)
+        delete_prefixed(plain, prefix)
         plain.close()
