@@ -3,9 +3,7 @@ and every guarantee is checked; the figures go in docs/reliability.md."""
 
 from __future__ import annotations
 
-import os
-
-from devkit.churn import RunResult, make_plan, run
+from devkit.churn import RunResult
 
 
 def render(r: RunResult) -> str:
@@ -41,11 +39,3 @@ def render(r: RunResult) -> str:
     failures = r.failures()
     lines += ["", "RESULT: " + ("all guarantees held" if not failures else "; ".join(failures))]
     return "\n".join(lines)
-
-
-def main(url: str, capacity: int, workers: int, ops: int, load: float, check_every: int) -> int:
-    plan = make_plan(url, capacity, workers, ops, load, check_every)
-    print(f"python -m bench reliability on {url} (pid {os.getpid()})", flush=True)
-    result = run(plan, capacity)
-    print(render(result))
-    return 1 if result.failures() else 0
