@@ -18,7 +18,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from devkit.keys import adelete_prefixed, delete_prefixed
+from devkit.keys import acleaned_up, cleaned_up
 from devkit.redis_server import shared_or_private_redis
 from guard.packing import use_hiredis_packing
 
@@ -70,11 +70,8 @@ def sync_redis(
         _real_redis_tests["count"] += 1
     else:
         client = fakeredis.FakeRedis(server=fake_server)
-    try:
+    with cleaned_up(client, prefix):
         yield client
-    finally:
-        delete_prefixed(client, prefix)
-        client.close()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -88,23 +85,16 @@ async def async_redis(
         _real_redis_tests["count"] += 1
     else:
         client = fakeredis.FakeAsyncRedis(server=fake_server)
-    try:
+    async with acleaned_up(client, prefix):
         yield client
-    finally:
-        await adelete_prefixed(client, prefix)
-        await client.aclose()
 
 
 @pytest.fixture
 def real_redis(real_redis_url: str, prefix: str) -> Iterator[redis.Redis]:
     """The real server only: for what fakeredis cannot show (threads, SCRIPT FLUSH, memory)."""
-    client = redis.Redis.from_url(real_redis_url)
     _real_redis_tests["count"] += 1
-    try:
+    with cleaned_up(redis.Redis.from_url(real_redis_url), prefix) as client:
         yield client
-    finally:
-        delete_prefixed(client, prefix)
-        client.close()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

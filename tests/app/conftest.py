@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 import redis.asyncio as aioredis
 from asgi_lifespan import LifespanManager
 
@@ -24,7 +23,7 @@ from app.db import SQLiteDatabase
 from app.main import create_app
 from app.records import RecordStore
 from app.settings import Settings
-from devkit.keys import delete_prefixed
+from devkit.keys import delete_prefixed_at
 from devkit.redis_server import RedisProcess, shared_or_private_redis
 
 BACKENDS = ["redis", "fakeredis"]
@@ -100,9 +99,7 @@ def make_settings(
 
     yield make
     if backend == "redis":
-        client = redis.Redis.from_url(url)
-        delete_prefixed(client, prefix)
-        client.close()
+        delete_prefixed_at(url, prefix)
 
 
 StartService = Callable[..., Awaitable[Service]]

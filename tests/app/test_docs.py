@@ -12,9 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
-from devkit.keys import delete_prefixed
+from devkit.keys import delete_prefixed_at
 from devkit.processes import HttpProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,9 +52,7 @@ def server(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> Iter
     finally:
         app.stop()
         if backend == "redis":
-            client = redis.Redis.from_url(redis_url)
-            delete_prefixed(client, prefix)
-            client.close()
+            delete_prefixed_at(redis_url, prefix)
 
 
 def test_doc_has_an_example_for_every_route() -> None:

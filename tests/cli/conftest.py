@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from devkit.keys import delete_prefixed
+from devkit.keys import delete_prefixed_at
 from devkit.redis_server import shared_or_private_redis
 
 
@@ -27,9 +27,7 @@ def cli_env(cli_redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[dic
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     yield env
-    client = redis.Redis.from_url(cli_redis_url)
-    delete_prefixed(client, prefix)
-    client.close()
+    delete_prefixed_at(cli_redis_url, prefix)
 
 
 @pytest.fixture

@@ -18,13 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 import typer
 import yaml
 
 from app.cli import cli
 from app.settings import Settings
-from devkit.keys import delete_prefixed
+from devkit.keys import delete_prefixed_at
 from devkit.processes import free_port
 from devkit.redis_server import RedisProcess, reachable
 
@@ -244,6 +243,4 @@ def test_compose_commands_run(redis_url: str, tmp_path: Path, image_env: Path) -
     finally:
         proc.terminate()
         proc.wait(timeout=20)
-        client = redis.Redis.from_url(redis_url)
-        delete_prefixed(client, prefix)
-        client.close()
+        delete_prefixed_at(redis_url, prefix)
