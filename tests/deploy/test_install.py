@@ -5,11 +5,15 @@ flow one way: guard <- app <- app.cli; devkit <- tests, devkit <- bench."""
 from __future__ import annotations
 
 import ast
+import json
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY_DEPS = {"redis", "mmh3", "numpy"}
@@ -137,6 +141,81 @@ def test_lock_agrees_with_pyproject() -> None:
     assert run.returncode == 0, run.stderr
 
 
+def uv(*args: str, cwd: Path = ROOT) -> str:
+    run = subprocess.run(
+        [sys.executable, "-m", "uv", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+@pytest.fixture(scope="module")
+def library_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`uv venv` + `uv pip install .` with no extras: what `pip install cuckoo-guard` gives,
+    at uv.lock's versions, built from a copy of the sources (the build leaves the tree alone)."""
+    root = tmp_path_factory.mktemp("library")
+    src, env = root / "src", root / "venv"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("guard", "app"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    pins = root / "pins.txt"
+    pins.write_text(uv("export", "--frozen", "--no-hashes", "--no-emit-project"))
+    uv("venv", "--quiet", "--python", sys.executable, str(env))
+    uv(
+        "pip",
+        "install",
+        "--quiet",
+        "--python",
+        str(env / "bin" / "python"),
+        "-c",
+        str(pins),
+        str(src),
+    )
+    return env
+
+
+class TestLibraryInstall:
+    """`pip install cuckoo-guard` is the library: redis (with hiredis), mmh3, numpy."""
+
+    def test_installs_the_library_dependencies_and_nothing_else(self, library_env: Path) -> None:
+        listed = uv(
+            "pip", "list", "--python", str(library_env / "bin" / "python"), "--format", "json"
+        )
+        names = {p["name"] for p in json.loads(listed)}
+        # hiredis: redis[hiredis]; async-timeout only under Python 3.11.3 (redis-py's marker).
+        assert names - {"async-timeout"} == {"cuckoo-guard", "redis", "hiredis", "mmh3", "numpy"}
+
+    def test_the_library_imports_and_the_dev_helpers_are_not_installed(
+        self, library_env: Path, tmp_path: Path
+    ) -> None:
+        code = (
+            "import importlib.util as u, json, sys, guard; guard.SyncCuckooFilter;"
+            "print(json.dumps([m for m in sys.argv[1:] if u.find_spec(m)]))"
+        )
+        run = subprocess.run(
+            [str(library_env / "bin" / "python"), "-c", code, "guard", "app", "devkit", "tests",
+             "bench", "fastapi", "typer"],
+            cwd=tmp_path, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert json.loads(run.stdout) == ["guard", "app"]
+
+    @pytest.mark.parametrize("argv", [[], ["serve"], ["--help"]])
+    def test_the_command_says_which_extra_to_install(
+        self, library_env: Path, argv: list[str]
+    ) -> None:
+        run = subprocess.run(
+            [str(library_env / "bin" / "guard"), *argv], capture_output=True, text=True, timeout=60
+        )
+        assert run.returncode == 2, run.stderr
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1, run.stderr
+        assert "pip install 'cuckoo-guard[server]'" in lines[0], lines
+        assert "embedded" in lines[0] and "typer" in lines[0], lines
+        assert run.stdout == ""
+
+
 def test_the_library_needs_only_its_own_dependencies() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = {re.split(r"[\[<>=~; ]", d, maxsplit=1)[0] for d in project["dependencies"]}
@@ -162,10 +241,11 @@ class TestLayers:
         assert wrong == []
 
     def test_the_service_never_imports_its_command_line(self) -> None:
+        # app.console, the console script, sits above the command line it starts.
         wrong = [
             f"{path.relative_to(ROOT)}:{line} imports {module}"
             for path in source_files("app")
-            if not module_name(path).startswith("app.cli")
+            if not module_name(path).startswith(("app.cli", "app.console"))
             for line, module in imports(path)
             if module == "app.cli" or module.startswith("app.cli.")
         ]
