@@ -258,6 +258,17 @@ class TestLayers:
         graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
         assert cycles(graph) == [["a", "b", "c"]]
 
+    def test_the_readme_layout_names_every_module(self) -> None:
+        text = (ROOT / "README.md").read_text().split("## Project layout", 1)[1]
+        layout = text.split("```", 2)[1]
+        missing = [
+            str(path.relative_to(ROOT))
+            for top in ("guard", "app", "devkit", "bench")
+            for path in sorted((ROOT / top).glob("*.py"))
+            if path.stem not in ("__init__", "__main__") and path.name not in layout
+        ]
+        assert missing == [], "README.md's Project layout omits these"
+
     def test_only_the_library_and_the_service_are_installed(self) -> None:
         find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
         assert find["packages"]["find"]["include"] == ["guard*", "app*"]
