@@ -1,6 +1,8 @@
 """cuckoo-guard: a cuckoo filter in Redis, changed only by atomic Lua scripts."""
 
+from guard.changes import ApplyResult, Change
 from guard.errors import (
+    ChangeSourceError,
     FilterCorruptError,
     FilterExistsError,
     FilterFullError,
@@ -23,6 +25,9 @@ from guard.packing import use_hiredis_packing
 from guard.sharded import ShardedCuckooFilter, ShardedFilterInfo, SyncShardedCuckooFilter
 
 __all__ = [
+    "ApplyResult",
+    "Change",
+    "ChangeSourceError",
     "CuckooFilter",
     "FilterCorruptError",
     "FilterExistsError",

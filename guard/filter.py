@@ -16,7 +16,7 @@ import re
 import secrets
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from redis.exceptions import ClusterError, NoScriptError, ResponseError, TryAgainError
@@ -34,6 +34,9 @@ from guard.errors import (
 from guard.hashing import item_hash, to_bytes
 from guard.layout import Layout
 from guard.reads import ReadPlan, TagMismatch, plan_hashes
+
+if TYPE_CHECKING:
+    from guard.changes import ApplyResult, Change
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 DEFAULT_PREFIX = "guard:"
@@ -89,6 +92,8 @@ class FilterInfo:
     target_error_rate: float | None
     deletes: int
     missed_deletes: int  # deletes that found nothing: each may have removed another key
+    applied_change: int = 0  # id of the last database change applied (guard/changes.py)
+    change_source: int = 0  # the change log the filter follows (0: none)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -248,9 +253,20 @@ class _FilterOps:
     # -- operations -------------------------------------------------------------------------
 
     def _reserve_op(
-        self, layout: Layout, capacity: int, error_rate: float | None, shards: int = 0
+        self,
+        layout: Layout,
+        capacity: int,
+        error_rate: float | None,
+        shards: int = 0,
+        *,
+        applied: int = 0,
+        source: int = 0,
     ) -> Op:
-        header = fmt.pack_header(layout, capacity, error_rate, shards)
+        _check_int("applied", applied, 0, fmt.MAX_CHANGE_ID)
+        _check_int("source", source, 0, fmt.MAX_SOURCE)
+        header = fmt.pack_header(
+            layout, capacity, error_rate, shards, applied=applied, source=source
+        )
         total = fmt.string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
         yield Round([Call("reserve", [self.key(0)], [header, total, layout.tag(0)])])
         self._layout = layout
@@ -416,6 +432,8 @@ class _FilterOps:
             target_error_rate=first.error_rate,
             deletes=deletes,
             missed_deletes=missed,
+            applied_change=first.applied,
+            change_source=first.source,
         )
 
     def _drop_op(self) -> Op:
@@ -446,6 +464,15 @@ RESERVE_OPTIONS = (
     "expansion",
     "seed",
 )
+# What reserve() of an unsharded filter also takes: the change feed's watermark, for a filter
+# built from a database snapshot (guard/changes.py). A sharded filter refuses them.
+WATERMARK_OPTIONS = ("applied", "source")
+
+
+def _split_watermark(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    """reserve()'s parameters: the layout's, and the watermark's (WATERMARK_OPTIONS)."""
+    rest = {k: v for k, v in params.items() if k not in WATERMARK_OPTIONS}
+    return rest, {k: params[k] for k in WATERMARK_OPTIONS if k in params}
 
 
 def _plan(capacity: int, **params: Any) -> Layout:
@@ -557,9 +584,12 @@ class CuckooFilter(_FilterOps):
 
     async def reserve(self, capacity: int, **params: Any) -> FilterInfo:
         """Create the filter: capacity, error_rate | fingerprint_bits, bucket_size, max_kicks,
-        expansion (0 = fixed size), seed."""
+        expansion (0 = fixed size), seed; applied and source (guard/changes.py) for a filter
+        built from a database snapshot."""
+        params, watermark = _split_watermark(params)
         layout = _plan(capacity, **params)
-        return await self._run(self._reserve_op(layout, capacity, params.get("error_rate")))
+        op = self._reserve_op(layout, capacity, params.get("error_rate"), **watermark)
+        return await self._run(op)
 
     async def insert(self, item: str | bytes) -> bool:
         return (await self._run(self._insert_op([item], unique=False)))[0]
@@ -598,6 +628,27 @@ class CuckooFilter(_FilterOps):
         """Atomically replace the live filter by this staging copy."""
         live = CuckooFilter(self.redis, self.name, self.prefix, _shard=self._shard)
         return await self._run(self._promote_op(live))
+
+    # The change feed (guard/changes.py; imported here, as it builds on this module).
+
+    async def apply_changes(self, changes: Sequence[Change], *, source: int) -> ApplyResult:
+        """Apply database changes exactly once: see guard/changes.py."""
+        from guard.changes import apply_op
+
+        result: ApplyResult = await self._run(apply_op(self, changes, source))
+        return result
+
+    async def applied_change(self) -> int:
+        """The id of the last database change applied to the filter (0: none)."""
+        from guard.changes import applied_op
+
+        return int(await self._run(applied_op(self)))
+
+    async def undo_change(self, change: Change, *, source: int) -> bool:
+        """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
+        from guard.changes import undo_op
+
+        return bool(await self._run(undo_op(self, change, source)))
 
 
 class SyncCuckooFilter(_FilterOps):
@@ -664,8 +715,9 @@ class SyncCuckooFilter(_FilterOps):
         )
 
     def reserve(self, capacity: int, **params: Any) -> FilterInfo:
+        params, watermark = _split_watermark(params)
         layout = _plan(capacity, **params)
-        return self._run(self._reserve_op(layout, capacity, params.get("error_rate")))
+        return self._run(self._reserve_op(layout, capacity, params.get("error_rate"), **watermark))
 
     def insert(self, item: str | bytes) -> bool:
         return self._run(self._insert_op([item], unique=False))[0]
@@ -703,6 +755,22 @@ class SyncCuckooFilter(_FilterOps):
     def promote(self) -> bool:
         live = SyncCuckooFilter(self.redis, self.name, self.prefix, _shard=self._shard)
         return self._run(self._promote_op(live))
+
+    def apply_changes(self, changes: Sequence[Change], *, source: int) -> ApplyResult:
+        from guard.changes import apply_op
+
+        result: ApplyResult = self._run(apply_op(self, changes, source))
+        return result
+
+    def applied_change(self) -> int:
+        from guard.changes import applied_op
+
+        return int(self._run(applied_op(self)))
+
+    def undo_change(self, change: Change, *, source: int) -> bool:
+        from guard.changes import undo_op
+
+        return bool(self._run(undo_op(self, change, source)))
 
 
 def _eval_args(call: Call | Command) -> list[Any]:
