@@ -11,10 +11,11 @@ import redis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
+from devkit.cluster import LocalCluster
+from devkit.redis_server import RedisProcess
 from guard import InvalidParameterError, SyncCuckooFilter
 from guard.connect import connect, connect_async, is_cluster_url, split_cluster_url
-from tests.cluster.server import LocalCluster
-from tests.redis_server import SPIN_2S, RedisProcess
+from tests.redis_faults import HOLD_SERVER_2S
 
 
 class TestParsing:
@@ -98,7 +99,7 @@ class TestNoRetryAfterTimeout:
             cf.reserve(100)
             cf.insert_many(["a", "a", "b"])
             cf.delete("b")  # loads the script: a first EVALSHA would fail NOSCRIPT
-            blocker = threading.Thread(target=busy.eval, args=(SPIN_2S, 0))
+            blocker = threading.Thread(target=busy.eval, args=(HOLD_SERVER_2S, 0))
             blocker.start()
             time.sleep(0.3)
             try:
