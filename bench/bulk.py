@@ -1,4 +1,4 @@
-"""`python -m bench.bulk`: the bulk builder (guard/bulk.py) against insert_many, in one run.
+"""`python -m bench bulk`: the bulk builder (guard/bulk.py) against insert_many, in one run.
 
 A file of N keys (default 10M, written to /tmp) is loaded end to end by `guard load --create`
 in a child process (wall clock from start to promoted filter, peak RSS of that process), and
@@ -7,16 +7,14 @@ sample of the same keys with the same parameters, in the CLI's batches, on the s
 Then every key is looked up (false negatives must be 0), and absent keys give the false
 positive rate. Every target is a ratio or a count measured here: the machine is shared.
 
-A private redis-server is started on a free port (tests/redis_server.py) and stopped at the
-end; nothing else is touched. ``measure(...)`` returns the rows, ``report(rows)`` the markdown.
+The pipeline (bench/suite.py) gives the server: a private redis-server unless --redis-url, keys
+under the run's own prefix. ``measure(target, ...)`` returns the rows, ``report(rows)`` the
+markdown.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import resource
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -30,7 +28,8 @@ import redis
 
 from guard import SyncCuckooFilter, bulk
 
-DEFAULT_OUT = "docs/bench-bulk.md"
+FULL = {"count": 10_000_000, "sample": 200_000}
+QUICK = {"count": 200_000, "sample": 20_000}
 ERROR_RATE = 0.001
 CLI_BATCH = 5000  # guard load's default --batch
 LOOKUP_BATCH = 100_000
@@ -107,38 +106,18 @@ def server_cpu(r: redis.Redis) -> float:
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
-def measure(count: int = 10_000_000, sample: int = 200_000, url: str | None = None) -> list[Row]:
-    """Every figure of the report; starts (and stops) its own redis-server unless given one."""
-    from tests.redis_server import RedisProcess, server_binary
-
-    server = None
-    if url is None:
-        binary = "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
-        server = RedisProcess.start(binary=binary or server_binary())
-        url = server.url
-    r = redis.Redis.from_url(url)
-    prefix = f"bench:bulk:{os.getpid()}-{secrets.token_hex(3)}:"
-    from bench.runner import environment
-
-    env = environment(r, url if server is None else "private redis-server (started by this run)")
-    rows = [Row("Environment", k, 0, "text", v) for k, v in env.items()]
-    tmp = tempfile.TemporaryDirectory(prefix="guard-bench-bulk-", dir="/tmp")
-    try:
-        path = Path(tmp.name) / "keys.txt"
+def measure(target: Any, count: int, sample: int) -> list[Row]:
+    """Every figure of the report, on the pipeline's server (a bench.suite.Target)."""
+    r, url, prefix = target.r, target.url, target.prefix
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="guard-bench-bulk-", dir="/tmp") as tmp:
+        path = Path(tmp) / "keys.txt"
         write_keys(path, count)
         rows += _cli_rows(r, url, prefix, path, count)
         rows += _library_rows(r, prefix, path, count)
         rows += _insert_many_rows(r, prefix, path, sample, rows)
         rows += _rebuild_rows(url, prefix, path, min(count, REBUILD_ROWS))
         rows += _accuracy_rows(r, prefix, path, count)
-    finally:
-        tmp.cleanup()
-        keys = list(r.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
-        if server is not None:
-            server.stop()
     return rows
 
 
@@ -338,8 +317,6 @@ def _accuracy_rows(r: redis.Redis, prefix: str, path: Path, count: int) -> list[
 
 
 def _value(row: Row) -> str:
-    if row.unit == "text":
-        return ""
     if row.unit == "items/s":
         return f"{row.value:,.0f} items/s"
     if row.unit == "x":
@@ -387,47 +364,16 @@ NOTES = """How to read it:
   the ratios are measured side by side."""
 
 
-def report(rows: list[Row], command: str = "") -> str:
-    """The markdown of docs/bench-bulk.md."""
-    out = ["# Bulk builds (guard/bulk.py)", ""]
-    if command:
-        out += [f"Command: `{command}`", ""]
-    out += [(__doc__ or "").split("\n\n", 1)[1].strip(), ""]
-    out += [f"- {row.figure}: {row.note}" for row in rows if row.unit == "text"] + [""]
+def report(rows: list[Row]) -> str:
+    """The markdown of docs/bench-bulk.md (the pipeline adds the title and environment)."""
+    out = [(__doc__ or "").split("\n\n", 1)[1].split("\n\nThe pipeline")[0].strip(), ""]
     out += ["## Targets", "", "| target | measured | met |", "| --- | ---: | --- |"]
     out += [f"| {t} | {v} | {'yes' if ok else '**no**'} |" for t, v, ok in targets(rows)]
     out += ["", NOTES]
     section = None
     for row in rows:
-        if row.unit == "text":
-            continue
         if row.section != section:
             section = row.section
             out += ["", f"## {section}", "", "| figure | value | note |", "| --- | ---: | --- |"]
         out.append(f"| {row.figure} | {_value(row)} | {row.note} |")
-    return "\n".join(out) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.bulk", description=__doc__)
-    parser.add_argument("--items", type=int, default=10_000_000, help="keys in the file")
-    parser.add_argument("--sample", type=int, default=200_000, help="keys for insert_many")
-    parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
-    parser.add_argument("--out", default=None, help=f"report path (e.g. {DEFAULT_OUT})")
-    args = parser.parse_args(argv)
-    rows = measure(args.items, args.sample, args.redis_url)
-    rows.append(
-        Row("Environment", "peak RSS of this process", 0, "text",
-            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
-    )  # fmt: skip
-    command = " ".join(["python -m bench.bulk", *(argv if argv is not None else sys.argv[1:])])
-    doc = report(rows, command)
-    print(doc)
-    if args.out:
-        Path(args.out).write_text(doc)
-        print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return "\n".join(out)

@@ -78,6 +78,8 @@ SEARCH_ITEMS = 1024
 SEARCH_BUDGET = 1 << 18
 
 Items = Iterable[str | bytes] | Iterable[list[str | bytes]]
+Plan = Callable[..., Layout]  # reserve()'s planner: (capacity, **options) -> sub-filter 0's layout
+Share = Callable[[int, int], int]  # (total capacity, shards) -> one shard's capacity
 
 
 # -- hashing --------------------------------------------------------------------------------
@@ -610,6 +612,8 @@ class _Job:
 
     targets: list[_Target]
     shards: int  # as the header records it: 0 for a plain filter
+    plan: Plan
+    share: Share | None  # a shard's capacity from the total (sharded filters)
     capacity: int | None
     params: dict[str, Any]
     applied: int
@@ -624,6 +628,8 @@ class _Job:
         cls,
         targets: list[_Target],
         shards: int,
+        plan: Plan,
+        share: Share | None,
         capacity: int | None,
         params: dict[str, Any],
         *,
@@ -633,12 +639,12 @@ class _Job:
         source: int,
     ) -> _Job:
         """Every parameter checked as reserve() checks them, before any I/O."""
-        from guard.filter import _plan
-
-        _plan(1 if capacity is None else capacity, **params)  # every option, named if wrong
+        plan(1 if capacity is None else capacity, **params)  # every option, named if wrong
         job = cls(
             targets,
             shards,
+            plan,
+            share,
             capacity,
             dict(params),
             _check_id("applied", applied, fmt.MAX_CHANGE_ID),
@@ -650,10 +656,8 @@ class _Job:
         return job
 
     def _capacity(self, count: int) -> int:
-        from guard.sharded import shard_capacity
-
         total = self.capacity if self.capacity is not None else max(1, count)
-        return shard_capacity(total, self.shards) if self.shards else total
+        return self.share(total, self.shards) if self.share else total
 
     def prepare_op(self) -> Op:
         """Before reading the input: refuse an existing filter (when creating one) and pick
@@ -668,9 +672,7 @@ class _Job:
             # promotes still finds it.
             self.seed = yield from _live_seed_op(self.targets[0], self.shards)
         if self.seed is None:
-            from guard.filter import _plan
-
-            self.seed = _plan(1, **self.params).seed  # drawn as reserve() draws it
+            self.seed = self.plan(1, **self.params).seed  # drawn as reserve() draws it
         return self.seed
 
     def _build(
@@ -691,11 +693,9 @@ class _Job:
 
     def run_op(self, sink: Hashes) -> Op:
         """Build, upload and (unless told not to) promote every target."""
-        from guard.filter import _plan
-
         params = {**self.params, "seed": self.seed}
         capacity = self._capacity(sink.count)
-        layout = _plan(capacity, **params)
+        layout = self.plan(capacity, **params)
         try:
             for i, target in enumerate(self.targets):
                 work = partial(self._build, sink, i, layout, capacity, target.name)
@@ -832,17 +832,12 @@ async def _arun(redis: Any, op: Op) -> Any:
 BULK_OPTIONS = ("replace", "promote", "applied", "source")
 
 
-def _job(handle: Any, capacity: int | None, options: dict[str, Any]) -> _Job:
-    """The job for a plain or sharded handle (guard/filter.py, guard/sharded.py)."""
-    from guard.filter import RESERVE_OPTIONS
-
-    unknown = sorted(set(options) - set(RESERVE_OPTIONS) - set(BULK_OPTIONS))
-    if unknown:
-        raise InvalidParameterError(
-            f"unknown bulk_load option(s) {', '.join(unknown)}; "
-            f"it accepts {', '.join(RESERVE_OPTIONS + BULK_OPTIONS)}"
-        )
-    params = {k: v for k, v in options.items() if k in RESERVE_OPTIONS}
+def _job(
+    handle: Any, capacity: int | None, plan: Plan, share: Share | None, options: dict[str, Any]
+) -> _Job:
+    """The job for a plain or sharded handle (guard/filter.py, guard/sharded.py); ``plan``
+    refuses an option it does not know, as reserve() does."""
+    params = {k: v for k, v in options.items() if k not in BULK_OPTIONS}
     flags = {
         "replace": options.get("replace", False),
         "promote": options.get("promote", True),
@@ -868,11 +863,23 @@ def _job(handle: Any, capacity: int | None, options: dict[str, Any]) -> _Job:
             _Target(handle.name, partial(handle.key, i), partial(staging.key, i))
             for i in range(shards)
         ]
-    return _Job.make(targets, shards or 0, capacity, params, **flags)
+    return _Job.make(targets, shards or 0, plan, share, capacity, params, **flags)
 
 
-def bulk_load(handle: Any, items: Items, capacity: int | None = None, **options: Any) -> Any:
+def bulk_load(
+    handle: Any,
+    items: Items,
+    capacity: int | None = None,
+    *,
+    plan: Plan,
+    share: Share | None = None,
+    **options: Any,
+) -> Any:
     """Make ``handle``'s filter (SyncCuckooFilter or SyncShardedCuckooFilter) from ``items``.
+
+    ``plan`` and ``share`` are the facade's sizing (reserve()'s layout planner; a shard's
+    capacity from the total): the handles' own bulk_load methods pass them, so that the
+    builder imports no facade.
 
     ``items``: str/bytes items, or lists of them, streamed (the filter is a multiset: each
     occurrence is stored). ``capacity`` (the total, for a sharded filter) and the options
@@ -887,7 +894,7 @@ def bulk_load(handle: Any, items: Items, capacity: int | None = None, **options:
 
     Returns the info of the filter written (the staging copy's when not promoted).
     """
-    job = _job(handle, capacity, options)
+    job = _job(handle, capacity, plan, share, options)
     sink = Hashes(_run(handle.redis, job.prepare_op()), len(job.targets))
     for chunk in _chunks(items):
         sink.add(chunk)
@@ -896,11 +903,17 @@ def bulk_load(handle: Any, items: Items, capacity: int | None = None, **options:
 
 
 async def abulk_load(
-    handle: Any, items: Items | AsyncIterable[Any], capacity: int | None = None, **options: Any
+    handle: Any,
+    items: Items | AsyncIterable[Any],
+    capacity: int | None = None,
+    *,
+    plan: Plan,
+    share: Share | None = None,
+    **options: Any,
 ) -> Any:
     """``bulk_load`` for CuckooFilter and ShardedCuckooFilter; ``items`` may be an async
     iterable too. Hashing and placement run in a worker thread, off the event loop."""
-    job = _job(handle, capacity, options)
+    job = _job(handle, capacity, plan, share, options)
     sink = Hashes(await _arun(handle.redis, job.prepare_op()), len(job.targets))
     if isinstance(items, AsyncIterable):
         async for chunk in _achunks(items):

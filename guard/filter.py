@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from redis.exceptions import ClusterError, NoScriptError, ResponseError, TryAgainError
 
+from guard import bulk, scripts
 from guard import layout as fmt
-from guard import scripts
 from guard.coalesce import LookupCoalescer
 from guard.errors import (
     FilterCorruptError,
@@ -596,9 +596,7 @@ class CuckooFilter(_FilterOps):
     ) -> FilterInfo:
         """Make the filter from ``items`` (an iterable or async iterable of items, or of lists
         of items) in one build: see guard/bulk.py:bulk_load for the options."""
-        from guard import bulk
-
-        return await bulk.abulk_load(self, items, capacity, **options)
+        return await bulk.abulk_load(self, items, capacity, plan=_plan, **options)
 
     async def insert(self, item: str | bytes) -> bool:
         return (await self._run(self._insert_op([item], unique=False)))[0]
@@ -730,9 +728,7 @@ class SyncCuckooFilter(_FilterOps):
 
     def bulk_load(self, items: Any, capacity: int | None = None, **options: Any) -> FilterInfo:
         """Make the filter from ``items`` in one build: see guard/bulk.py:bulk_load."""
-        from guard import bulk
-
-        return bulk.bulk_load(self, items, capacity, **options)
+        return bulk.bulk_load(self, items, capacity, plan=_plan, **options)
 
     def insert(self, item: str | bytes) -> bool:
         return self._run(self._insert_op([item], unique=False))[0]

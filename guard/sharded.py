@@ -20,8 +20,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from guard import bulk, scripts
 from guard import layout as fmt
-from guard import scripts
 from guard.coalesce import LookupCoalescer
 from guard.errors import (
     FilterCorruptError,
@@ -418,9 +418,9 @@ class ShardedCuckooFilter(_ShardedOps):
     ) -> ShardedFilterInfo:
         """Make the filter from ``items`` in one build, shard by shard: see
         guard/bulk.py:bulk_load (``capacity`` is the total, as for reserve)."""
-        from guard import bulk
-
-        return await bulk.abulk_load(self, items, capacity, **options)
+        return await bulk.abulk_load(
+            self, items, capacity, plan=_plan, share=shard_capacity, **options
+        )
 
     async def insert(self, item: str | bytes) -> bool:
         return (await self.insert_many([item]))[0]
@@ -562,9 +562,7 @@ class SyncShardedCuckooFilter(_ShardedOps):
         self, items: Any, capacity: int | None = None, **options: Any
     ) -> ShardedFilterInfo:
         """Make the filter from ``items`` in one build: see guard/bulk.py:bulk_load."""
-        from guard import bulk
-
-        return bulk.bulk_load(self, items, capacity, **options)
+        return bulk.bulk_load(self, items, capacity, plan=_plan, share=shard_capacity, **options)
 
     def insert(self, item: str | bytes) -> bool:
         return self.insert_many([item])[0]

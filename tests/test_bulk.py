@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from devkit.redis_server import RedisProcess
 from guard import (
     Change,
     CuckooFilter,
@@ -39,7 +40,6 @@ from guard import (
 from guard import layout as fmt
 from guard.filter import plan_layout
 from guard.layout import Layout
-from tests.redis_server import RedisProcess
 from tests.reference import ReferenceFilter
 
 Signature = tuple[int, int, int, int]  # sub-filter, fingerprint, lower bucket, higher bucket
@@ -431,7 +431,7 @@ class TestBulkLoad:
     ) -> None:
         cf = SyncCuckooFilter(sync_redis, "v", prefix=prefix)
         bad: list[tuple[dict[str, Any], str]] = [
-            ({"bucket_sise": 2}, "unknown bulk_load option"),
+            ({"bucket_sise": 2}, "unknown reserve option"),
             ({"capacity": 0}, "capacity"),
             ({"error_rate": 2}, "error_rate"),
             ({"applied": -1}, "applied"),

@@ -1,29 +1,18 @@
-"""`python -m bench.bulk` runs end to end on a small file and writes its report (no timing
-asserts: the figures are measured, not judged, here)."""
+"""`python -m bench bulk --quick` runs end to end through the shared pipeline on a small file
+and writes its report (no timing asserts: the figures are measured, not judged, here)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.test_bench_smoke import assert_common_header, bench
 
 
-def test_small_run_writes_the_report(tmp_path: Path) -> None:
+def test_quick_run_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "bench-bulk.md"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.bulk", "--items", "30000", "--sample", "5000",
-         "--out", str(out)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    bench("bulk", "--quick", "--items", "30000", "--sample", "5000", "--out", str(out))
     doc = out.read_text()
+    assert_common_header(doc, "bulk")
     for heading in (
         "## Targets",
         "## `guard load --create`, 30,000 keys from a file (child process)",
@@ -34,4 +23,3 @@ def test_small_run_writes_the_report(tmp_path: Path) -> None:
     ):
         assert heading in doc, heading
     assert "| zero false negatives | 0 | yes |" in doc
-    assert "Command: `python -m bench.bulk --items 30000 --sample 5000" in doc
