@@ -8,6 +8,7 @@ from guard.errors import (
     GuardError,
     InvalidParameterError,
 )
+from guard.facade import AsyncPipeline, Pipeline
 from guard.filter import (
     CuckooFilter,
     FilterInfo,
@@ -23,6 +24,7 @@ from guard.packing import use_hiredis_packing
 from guard.sharded import ShardedCuckooFilter, ShardedFilterInfo, SyncShardedCuckooFilter
 
 __all__ = [
+    "AsyncPipeline",
     "CuckooFilter",
     "FilterCorruptError",
     "FilterExistsError",
@@ -31,6 +33,7 @@ __all__ = [
     "FilterNotFoundError",
     "GuardError",
     "InvalidParameterError",
+    "Pipeline",
     "ShardedCuckooFilter",
     "ShardedFilterInfo",
     "SyncCuckooFilter",

@@ -1,12 +1,13 @@
-"""CuckooFilter (asyncio) and SyncCuckooFilter: one set of operations, two thin drivers.
+"""One filter's operations, and its handles: CuckooFilter (asyncio) and SyncCuckooFilter.
 
 Each operation is written once, as a generator that yields the Redis calls it needs (script
-calls; plain reads for lookups) and gets their replies back; the async and sync classes only run
-those calls on their client. The handle caches the filter's layout and sends it with every call;
-a call that finds the stored header different answers STALE, and the operation reads the
-stored filter again (the probe) and retries. A layout is adopted only after the probe has
-verified every sub-filter (guard/layout.py:verify_stored); a damaged filter leaves the handle
-with no layout, so every call checks again and raises FilterCorruptError again.
+calls; plain reads for lookups) and gets their replies back (guard/driver.py runs it on a
+blocking or an asyncio client; guard/facade.py gives both handles the same public methods).
+The handle caches the filter's layout and sends it with every call; a call that finds the
+stored header different answers STALE, and the operation reads the stored filter again (the
+probe) and retries. A layout is adopted only after the probe has verified every sub-filter
+(guard/layout.py:verify_stored); a damaged filter leaves the handle with no layout, so every
+call checks again and raises FilterCorruptError again.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ from __future__ import annotations
 import functools
 import re
 import secrets
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any, Self
 
 import numpy as np
-from redis.exceptions import ClusterError, NoScriptError, ResponseError, TryAgainError
+from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from guard import layout as fmt
 from guard import scripts
-from guard.coalesce import LookupCoalescer
+from guard.driver import Call, Command, Op, Round
 from guard.errors import (
     FilterCorruptError,
     FilterFullError,
@@ -31,6 +32,7 @@ from guard.errors import (
     GuardError,
     InvalidParameterError,
 )
+from guard.facade import AsyncHandle, SyncHandle
 from guard.hashing import item_hash, to_bytes
 from guard.layout import Layout
 from guard.reads import ReadPlan, TagMismatch, plan_hashes
@@ -44,32 +46,6 @@ INSERT_CHUNK = 512
 # keeps a batch into a nearly full filter far below Redis's 5 s busy-script limit.
 KICK_BUDGET = 100_000
 MAX_RETRIES = 8
-
-
-class Call(NamedTuple):
-    """One EVALSHA of a guard script; EVALSHA_RO when ``read_only`` (it runs on a replica)."""
-
-    script: str
-    keys: list[str]
-    args: list[Any]
-    read_only: bool = False
-
-
-class Command(NamedTuple):
-    """One plain Redis command (the script-free reads)."""
-
-    name: str
-    args: list[Any]
-
-
-class Round(NamedTuple):
-    """What an operation sends at once: one pipeline, a MULTI when ``atomic``."""
-
-    calls: list[Call | Command]
-    atomic: bool = False
-
-
-Op = Generator[Round, list[Any], Any]
 
 
 @dataclass(frozen=True)
@@ -157,7 +133,7 @@ def _forgets_on_damage(make_op: Callable[..., Op]) -> Callable[..., Op]:
     back the one it had, and the next call must verify the filter again, not trust it."""
 
     @functools.wraps(make_op)
-    def op(self: _FilterOps, *args: Any, **kwargs: Any) -> Op:
+    def op(self: FilterOps, *args: Any, **kwargs: Any) -> Op:
         try:
             return (yield from make_op(self, *args, **kwargs))
         except FilterCorruptError:
@@ -167,11 +143,12 @@ def _forgets_on_damage(make_op: Callable[..., Op]) -> Callable[..., Op]:
     return op
 
 
-class _FilterOps:
-    """The operations, as generators of script calls. Shared by both client flavours."""
+class FilterOps:
+    """One filter's operations, as generators of calls: the handles' (and each shard's)."""
 
     def __init__(
         self,
+        redis: Any,
         name: str,
         prefix: str = DEFAULT_PREFIX,
         *,
@@ -182,6 +159,7 @@ class _FilterOps:
             raise InvalidParameterError(
                 f"filter name must match {NAME_PATTERN.pattern} (1-64 characters), got {name!r}"
             )
+        self.redis = redis
         self.name = name
         self.prefix = prefix
         self._variant = _variant
@@ -245,16 +223,29 @@ class _FilterOps:
             out.extend(item_hash(d, seed))
         return out
 
+    def staging(self) -> Self:
+        """A handle on this filter's staging copy (same hash tag), for rebuilds: fill it,
+        then ``promote()`` it in place of the live filter."""
+        return type(self)(self.redis, self.name, self.prefix, _variant=STAGING, _shard=self._shard)
+
     # -- operations -------------------------------------------------------------------------
 
-    def _reserve_op(
+    def _reserve_op(self, capacity: int, params: dict[str, Any]) -> Op[FilterInfo]:
+        layout = _plan(capacity, **params)
+        return self._create_op(layout, capacity, params.get("error_rate"))
+
+    def _create_op(
         self, layout: Layout, capacity: int, error_rate: float | None, shards: int = 0
-    ) -> Op:
+    ) -> Op[FilterInfo]:
         header = fmt.pack_header(layout, capacity, error_rate, shards)
         total = fmt.string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
         yield Round([Call("reserve", [self.key(0)], [header, total, layout.tag(0)])])
         self._layout = layout
         return (yield from self._info_op())
+
+    def _exists_op(self) -> Op[bool]:
+        (found,) = yield Round([Command("EXISTS", [self.key(0)])])
+        return bool(found)
 
     @_forgets_on_damage
     def _batch_op(self, script: str, items: Iterable[str | bytes], chunk: int = BATCH_CHUNK) -> Op:
@@ -423,8 +414,12 @@ class _FilterOps:
         self._layout = fmt.UNKNOWN_LAYOUT
         return bool(existed)
 
+    def _promote_op(self) -> Op[bool]:
+        live = FilterOps(self.redis, self.name, self.prefix, _shard=self._shard)
+        return (yield from self._replace_op(live))
+
     @_forgets_on_damage
-    def _promote_op(self, live: _FilterOps) -> Op:
+    def _replace_op(self, live: FilterOps) -> Op[bool]:
         keys = live._keys(fmt.MAX_SUBFILTERS) + self._keys(fmt.MAX_SUBFILTERS)
         for _ in range(MAX_RETRIES):
             if not self._layout.buckets0:
@@ -467,8 +462,9 @@ def _plan(capacity: int, **params: Any) -> Layout:
     )
 
 
-class CuckooFilter(_FilterOps):
-    """A handle on one filter over ``redis.asyncio.Redis``; creating it does no I/O.
+class CuckooFilter(AsyncHandle[FilterInfo], FilterOps):
+    """A handle on one filter over ``redis.asyncio.Redis`` (or its ``RedisCluster``);
+    creating it does no I/O. Its methods are guard/facade.py's.
 
     With ``coalesce`` (the default), concurrent lookups on this handle are sent together:
     see guard/coalesce.py.
@@ -484,267 +480,13 @@ class CuckooFilter(_FilterOps):
         _variant: str = "",
         _shard: int | None = None,
     ) -> None:
-        super().__init__(name, prefix, _variant=_variant, _shard=_shard)
-        self.redis = redis
-        self._scripts = scripts.register(redis)
-        self._coalescer = LookupCoalescer(self._lookup_now) if coalesce else None
-
-    async def _lookup_now(self, data: list[bytes]) -> list[bool]:
-        result: list[bool] = await self._run(self._lookup_op(data))
-        return result
-
-    async def _lookup(self, items: Iterable[str | bytes]) -> list[bool]:
-        data = [to_bytes(x) for x in items]  # a bad item fails its own caller, not the batch
-        if self._coalescer is None:
-            return await self._lookup_now(data)
-        return await self._coalescer.lookup_many(data)
-
-    async def _run(self, op: Op) -> Any:
-        # Errors go back into the operation, which may handle them (or let them rise).
-        try:
-            rnd = next(op)
-            while True:
-                try:
-                    replies = await self._execute(rnd)
-                except Exception as exc:
-                    rnd = op.throw(exc)
-                else:
-                    rnd = op.send(replies)
-        except StopIteration as done:
-            return done.value
-
-    async def _execute(self, rnd: Round) -> list[Any]:
-        try:
-            if len(rnd.calls) == 1 and not rnd.atomic:
-                return [await self._send_one(rnd.calls[0])]
-            if rnd.atomic:
-                # redis-py 8: a MULTI as an asyncio RedisCluster's first command sets up its
-                # connections outside the running loop, breaking every later call. Plain
-                # clients and set-up clusters return at once.
-                await self.redis.initialize()
-            pipe = self.redis.pipeline(transaction=rnd.atomic)
-            for c in rnd.calls:
-                await self._send(c, pipe)
-            replies = await pipe.execute(raise_on_error=False)
-            # A SCRIPT FLUSH between the pipeline's script preload and its execution: those
-            # calls did nothing, so they alone are sent again, as EVAL, which cannot miss.
-            for k in _unloaded(replies):
-                replies[k] = await self.redis.execute_command(*_eval_args(rnd.calls[k]))
-        except ResponseError as exc:
-            raise scripts.map_error(exc, self.name) from exc
-        return _raise_first_error(replies, self.name)
-
-    async def _send_one(self, call: Call | Command) -> Any:
-        try:
-            return await self._send(call, self.redis)
-        except NoScriptError:  # flushed again between redis-py's reload and its retry
-            return await self.redis.execute_command(*_eval_args(call))
-
-    async def _send(self, call: Call | Command, client: Any) -> Any:
-        if client is not self.redis:
-            return _queue(call, self._scripts, client)
-        if isinstance(call, Command):
-            return await client.execute_command(call.name, *call.args)
-        if call.read_only:
-            return await client.execute_command(*_evalsha_args(call, self._scripts))
-        return await self._scripts[call.script](keys=call.keys, args=call.args, client=client)
-
-    def staging(self) -> CuckooFilter:
-        """A handle on this filter's staging copy (same hash tag), for rebuilds."""
-        return CuckooFilter(
-            self.redis, self.name, self.prefix, _variant=STAGING, _shard=self._shard
-        )
-
-    async def reserve(self, capacity: int, **params: Any) -> FilterInfo:
-        """Create the filter: capacity, error_rate | fingerprint_bits, bucket_size, max_kicks,
-        expansion (0 = fixed size), seed."""
-        layout = _plan(capacity, **params)
-        return await self._run(self._reserve_op(layout, capacity, params.get("error_rate")))
-
-    async def insert(self, item: str | bytes) -> bool:
-        return (await self._run(self._insert_op([item], unique=False)))[0]
-
-    async def insert_unique(self, item: str | bytes) -> bool:
-        return (await self._run(self._insert_op([item], unique=True)))[0]
-
-    async def insert_many(self, items: Iterable[str | bytes], unique: bool = False) -> list[bool]:
-        return await self._run(self._insert_op(items, unique))
-
-    async def lookup(self, item: str | bytes) -> bool:
-        return (await self._lookup([item]))[0]
-
-    async def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return await self._lookup(items)
-
-    async def count(self, item: str | bytes) -> int:
-        return int((await self._run(self._batch_op("count", [item])))[0])
-
-    async def delete(self, item: str | bytes) -> bool:
-        return bool((await self._run(self._batch_op("delete", [item])))[0])
-
-    async def delete_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return [bool(r) for r in await self._run(self._batch_op("delete", items))]
-
-    async def info(self) -> FilterInfo:
-        return await self._run(self._info_op())
-
-    async def exists(self) -> bool:
-        return bool(await self.redis.exists(self.key(0)))
-
-    async def drop(self) -> bool:
-        return await self._run(self._drop_op())
-
-    async def promote(self) -> bool:
-        """Atomically replace the live filter by this staging copy."""
-        live = CuckooFilter(self.redis, self.name, self.prefix, _shard=self._shard)
-        return await self._run(self._promote_op(live))
+        super().__init__(redis, name, prefix, _variant=_variant, _shard=_shard)
+        self._start(coalesce)
 
 
-class SyncCuckooFilter(_FilterOps):
-    """The same filter over a blocking ``redis.Redis``, for scripts and CLIs."""
-
-    def __init__(
-        self,
-        redis: Any,
-        name: str,
-        prefix: str = DEFAULT_PREFIX,
-        *,
-        _variant: str = "",
-        _shard: int | None = None,
-    ) -> None:
-        super().__init__(name, prefix, _variant=_variant, _shard=_shard)
-        self.redis = redis
-        self._scripts = scripts.register(redis)
-
-    def _run(self, op: Op) -> Any:
-        try:
-            rnd = next(op)
-            while True:
-                try:
-                    replies = self._execute(rnd)
-                except Exception as exc:
-                    rnd = op.throw(exc)
-                else:
-                    rnd = op.send(replies)
-        except StopIteration as done:
-            return done.value
-
-    def _execute(self, rnd: Round) -> list[Any]:
-        try:
-            if len(rnd.calls) == 1 and not rnd.atomic:
-                return [self._send_one(rnd.calls[0])]
-            pipe = self.redis.pipeline(transaction=rnd.atomic)
-            for c in rnd.calls:
-                self._send(c, pipe)
-            replies = pipe.execute(raise_on_error=False)
-            for k in _unloaded(replies):
-                replies[k] = self.redis.execute_command(*_eval_args(rnd.calls[k]))
-        except ResponseError as exc:
-            raise scripts.map_error(exc, self.name) from exc
-        return _raise_first_error(replies, self.name)
-
-    def _send_one(self, call: Call | Command) -> Any:
-        try:
-            return self._send(call, self.redis)
-        except NoScriptError:
-            return self.redis.execute_command(*_eval_args(call))
-
-    def _send(self, call: Call | Command, client: Any) -> Any:
-        if client is not self.redis:
-            return _queue(call, self._scripts, client)
-        if isinstance(call, Command):
-            return client.execute_command(call.name, *call.args)
-        if call.read_only:
-            return client.execute_command(*_evalsha_args(call, self._scripts))
-        return self._scripts[call.script](keys=call.keys, args=call.args, client=client)
-
-    def staging(self) -> SyncCuckooFilter:
-        return SyncCuckooFilter(
-            self.redis, self.name, self.prefix, _variant=STAGING, _shard=self._shard
-        )
-
-    def reserve(self, capacity: int, **params: Any) -> FilterInfo:
-        layout = _plan(capacity, **params)
-        return self._run(self._reserve_op(layout, capacity, params.get("error_rate")))
-
-    def insert(self, item: str | bytes) -> bool:
-        return self._run(self._insert_op([item], unique=False))[0]
-
-    def insert_unique(self, item: str | bytes) -> bool:
-        return self._run(self._insert_op([item], unique=True))[0]
-
-    def insert_many(self, items: Iterable[str | bytes], unique: bool = False) -> list[bool]:
-        return self._run(self._insert_op(items, unique))
-
-    def lookup(self, item: str | bytes) -> bool:
-        return self._run(self._lookup_op([to_bytes(item)]))[0]
-
-    def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return self._run(self._lookup_op([to_bytes(x) for x in items]))
-
-    def count(self, item: str | bytes) -> int:
-        return int(self._run(self._batch_op("count", [item]))[0])
-
-    def delete(self, item: str | bytes) -> bool:
-        return bool(self._run(self._batch_op("delete", [item]))[0])
-
-    def delete_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return [bool(r) for r in self._run(self._batch_op("delete", items))]
-
-    def info(self) -> FilterInfo:
-        return self._run(self._info_op())
-
-    def exists(self) -> bool:
-        return bool(self.redis.exists(self.key(0)))
-
-    def drop(self) -> bool:
-        return self._run(self._drop_op())
-
-    def promote(self) -> bool:
-        live = SyncCuckooFilter(self.redis, self.name, self.prefix, _shard=self._shard)
-        return self._run(self._promote_op(live))
-
-
-def _eval_args(call: Call | Command) -> list[Any]:
-    """EVAL (EVAL_RO) of a call's script: what a NOSCRIPT reply is answered with."""
-    assert isinstance(call, Call)
-    command = "EVAL_RO" if call.read_only else "EVAL"
-    return [command, scripts.source(call.script), len(call.keys), *call.keys, *call.args]
-
-
-def _evalsha_args(call: Call, registered: dict[str, Any]) -> list[Any]:
-    command = "EVALSHA_RO" if call.read_only else "EVALSHA"
-    sha = registered[call.script].sha
-    return [command, sha, len(call.keys), *call.keys, *call.args]
-
-
-def _queue(call: Call | Command, registered: dict[str, Any], pipe: Any) -> None:
-    """Queue a call on a pipeline (sync or asyncio), as a raw command, without awaiting it.
-
-    For Redis Cluster pipelines (redis-py 8): awaiting what an asyncio ``ClusterPipeline``
-    returns re-initializes it and empties its queue, and the sync one refuses its ``evalsha``
-    method (not the raw command). A plain pipeline still loads the scripts before it runs; a
-    cluster pipeline's NOSCRIPT replies are re-sent as EVAL by the caller.
-    """
-    if isinstance(call, Command):
-        pipe.execute_command(call.name, *call.args)
-        return
-    if hasattr(pipe, "scripts"):
-        pipe.scripts.add(registered[call.script])
-    pipe.execute_command(*_evalsha_args(call, registered))
-
-
-def _unloaded(replies: list[Any]) -> list[int]:
-    return [k for k, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-
-
-def _raise_first_error(replies: list[Any], name: str) -> list[Any]:
-    for reply in replies:
-        if isinstance(reply, ResponseError):
-            raise scripts.map_error(reply, name) from reply
-        if isinstance(reply, Exception):
-            raise reply
-    return replies
+class SyncCuckooFilter(SyncHandle[FilterInfo], FilterOps):
+    """The same filter over a blocking ``redis.Redis`` (or ``RedisCluster``), for scripts
+    and CLIs."""
 
 
 __all__ = [
