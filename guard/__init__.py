@@ -20,10 +20,13 @@ from guard.listing import (
     list_sharded_filters,
     list_sharded_filters_sync,
 )
+from guard.names import NAME_PATTERN
 from guard.packing import use_hiredis_packing
+from guard.params import FilterParams
 from guard.sharded import ShardedCuckooFilter, ShardedFilterInfo, SyncShardedCuckooFilter
 
 __all__ = [
+    "NAME_PATTERN",
     "AsyncPipeline",
     "CuckooFilter",
     "FilterCorruptError",
@@ -31,6 +34,7 @@ __all__ = [
     "FilterFullError",
     "FilterInfo",
     "FilterNotFoundError",
+    "FilterParams",
     "GuardError",
     "InvalidParameterError",
     "Pipeline",

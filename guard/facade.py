@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 from guard.coalesce import LookupCoalescer
 from guard.driver import AsyncRunner, Op, SyncRunner, lockstep
 from guard.hashing import to_bytes
+from guard.params import FilterParams
 
 if TYPE_CHECKING:
     from guard.filter import FilterInfo
@@ -67,7 +68,7 @@ class Facade(Generic[InfoT]):
         name: str
 
         def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]: ...
-        def _reserve_op(self, capacity: int, params: dict[str, Any]) -> Op[InfoT]: ...
+        def _reserve_op(self, params: FilterParams) -> Op[InfoT]: ...
         def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op[list[bool]]: ...
         def _lookup_op(self, data: list[bytes]) -> Op[list[bool]]: ...
         def _batch_op(self, script: str, items: Iterable[str | bytes]) -> Op[list[Any]]: ...
@@ -77,11 +78,12 @@ class Facade(Generic[InfoT]):
         def _promote_op(self) -> Op[bool]: ...
 
     @operation
-    def reserve(self, capacity: int, **params: Any) -> Op[InfoT]:
-        """Create the filter: capacity, error_rate | fingerprint_bits, bucket_size, max_kicks,
-        expansion (0 = fixed size), seed. A sharded filter's ``capacity`` is the total; each
-        shard gets its share plus headroom."""
-        return self._reserve_op(capacity, params)
+    def reserve(self, capacity: int | FilterParams, **params: Any) -> Op[InfoT]:
+        """Create the filter: ``reserve(capacity, **params)`` with error_rate |
+        fingerprint_bits, bucket_size, max_kicks, expansion (0 = fixed size), seed (see
+        guard/params.py), or ``reserve(FilterParams(...))``. A sharded filter's capacity is the
+        total; each shard gets its share plus headroom."""
+        return (yield from self._reserve_op(FilterParams.of(capacity, **params)))
 
     @operation
     def insert(self, item: str | bytes) -> Op[bool]:

@@ -13,8 +13,6 @@ call checks again and raises FilterCorruptError again.
 from __future__ import annotations
 
 import functools
-import re
-import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Self
@@ -30,16 +28,14 @@ from guard.errors import (
     FilterFullError,
     FilterNotFoundError,
     GuardError,
-    InvalidParameterError,
 )
 from guard.facade import AsyncHandle, SyncHandle
 from guard.hashing import item_hash, to_bytes
 from guard.layout import Layout
+from guard.names import DEFAULT_PREFIX, STAGING, base_key, check_name
+from guard.params import FilterParams
 from guard.reads import ReadPlan, TagMismatch, plan_hashes
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
-DEFAULT_PREFIX = "guard:"
-STAGING = ":staging"
 BATCH_CHUNK = 1000  # items per count/delete script call
 INSERT_CHUNK = 512
 # Kick steps one insert call may take in the worst case (about 1.5 us each on the server):
@@ -70,64 +66,6 @@ class FilterInfo:
         return asdict(self)
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidParameterError(
-            f"{name} must be an integer from {low} to {high}, got {value!r}"
-        )
-    return value
-
-
-def plan_layout(
-    capacity: int,
-    *,
-    error_rate: float | None,
-    fingerprint_bits: int | None,
-    bucket_size: int,
-    max_kicks: int,
-    expansion: int,
-    seed: int | None,
-) -> Layout:
-    """Validate reserve() parameters and size the first sub-filter; no I/O."""
-    _check_int("capacity", capacity, 1, fmt.MAX_CAPACITY)
-    if bucket_size not in fmt.BUCKET_SIZES:
-        raise InvalidParameterError(
-            f"bucket_size must be one of {fmt.BUCKET_SIZES}, got {bucket_size!r}"
-        )
-    _check_int("max_kicks", max_kicks, 0, fmt.MAX_KICKS_LIMIT)
-    _check_int("expansion", expansion, 0, fmt.MAX_EXPANSION)
-    if error_rate is not None and fingerprint_bits is not None:
-        raise InvalidParameterError("give error_rate or fingerprint_bits, not both")
-    if error_rate is not None:
-        if (
-            isinstance(error_rate, bool)
-            or not isinstance(error_rate, int | float)
-            or not 0 < error_rate < 1
-        ):
-            raise InvalidParameterError(
-                f"error_rate must be between 0 and 1 (exclusive), got {error_rate!r}"
-            )
-        bits = fmt.fp_bits_for(error_rate, bucket_size, growing=expansion > 0)
-        if bits > fmt.MAX_FP_BITS:
-            raise InvalidParameterError(
-                f"error_rate {error_rate} needs {bits}-bit fingerprints; "
-                f"the limit is {fmt.MAX_FP_BITS}"
-            )
-        step = 1 if expansion > 0 else 0
-    else:
-        bits = 16 if fingerprint_bits is None else fingerprint_bits
-        _check_int("fingerprint_bits", bits, fmt.MIN_FP_BITS, fmt.MAX_FP_BITS)
-        step = 0
-    seed = secrets.randbits(32) if seed is None else _check_int("seed", seed, 0, 2**32 - 1)
-    buckets = fmt.buckets_for(capacity, bucket_size, bits)
-    if fmt.string_bytes(buckets, bucket_size, bits) > fmt.MAX_STRING_BYTES:
-        raise InvalidParameterError(
-            f"capacity {capacity} needs more than one Redis string (512 MB) holds; "
-            "lower it or use fewer fingerprint bits"
-        )
-    return Layout(bucket_size, bits, step, expansion, 1, max_kicks, buckets, seed)
-
-
 def _forgets_on_damage(make_op: Callable[..., Op]) -> Callable[..., Op]:
     """An operation that meets damage leaves its handle with no layout: the bytes no longer
     back the one it had, and the next call must verify the filter again, not trust it."""
@@ -155,19 +93,12 @@ class FilterOps:
         _variant: str = "",
         _shard: int | None = None,
     ) -> None:
-        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise InvalidParameterError(
-                f"filter name must match {NAME_PATTERN.pattern} (1-64 characters), got {name!r}"
-            )
         self.redis = redis
-        self.name = name
+        self.name = check_name(name)
         self.prefix = prefix
         self._variant = _variant
         self._shard = _shard
-        # The hash tag keeps every key of one filter in one Redis Cluster slot; a shard of a
-        # sharded filter gets its own tag (name:i), which user names cannot reach (no ':').
-        tag = name if _shard is None else f"{name}:{_shard}"
-        self._base = f"{prefix}{{{tag}}}{_variant}"
+        self._base = base_key(prefix, name, _shard, _variant)
         self._layout = fmt.UNKNOWN_LAYOUT
         self._read_command = "BITFIELD_RO"
         self._read_scripts = True  # EVALSHA_RO for scripts that only read (Redis 7+)
@@ -205,7 +136,7 @@ class FilterOps:
             if not replies[0]:
                 if replies[1]:  # what is left of a filter is no filter, but never "absent"
                     raise FilterCorruptError(self.name, f"{self.key(0)} is missing")
-                raise FilterNotFoundError(f"{self.name}: no such filter")
+                raise FilterNotFoundError(f"{self.name}: no such filter", filter=self.name)
             stored = [
                 fmt.Stored(self.key(n), *replies[2 + 3 * n : 5 + 3 * n]) for n in range(count)
             ]
@@ -214,7 +145,7 @@ class FilterOps:
                 self._layout = layout
                 return stored[: layout.subfilters]
             count = layout.subfilters
-        raise GuardError(f"{self.name}: layout kept changing while reading it")
+        raise GuardError(f"{self.name}: layout kept changing while reading it", filter=self.name)
 
     @staticmethod
     def _flat_hashes(data: Sequence[bytes], seed: int) -> list[int]:
@@ -230,9 +161,9 @@ class FilterOps:
 
     # -- operations -------------------------------------------------------------------------
 
-    def _reserve_op(self, capacity: int, params: dict[str, Any]) -> Op[FilterInfo]:
-        layout = _plan(capacity, **params)
-        return self._create_op(layout, capacity, params.get("error_rate"))
+    def _reserve_op(self, params: FilterParams) -> Op[FilterInfo]:
+        layout = params.layout()
+        return (yield from self._create_op(layout, params.capacity, params.error_rate))
 
     def _create_op(
         self, layout: Layout, capacity: int, error_rate: float | None, shards: int = 0
@@ -283,7 +214,7 @@ class FilterOps:
                 else:
                     results[a:b] = reply[2:]
             pending = retry
-        raise GuardError(f"{self.name}: layout kept changing during {script}")
+        raise GuardError(f"{self.name}: layout kept changing during {script}", filter=self.name)
 
     @_forgets_on_damage
     def _lookup_op(self, data: list[bytes]) -> Op:
@@ -326,7 +257,7 @@ class FilterOps:
             # (adopting the stored layout, or raising not found / corrupt).
             yield from self._probe_op()
             checked = self._layout
-        raise GuardError(f"{self.name}: layout kept changing during lookup")
+        raise GuardError(f"{self.name}: layout kept changing during lookup", filter=self.name)
 
     @_forgets_on_damage
     def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op:
@@ -360,13 +291,16 @@ class FilterOps:
             if self._adopt(reply):
                 stale += 1
                 if stale > MAX_RETRIES:
-                    raise GuardError(f"{self.name}: layout kept changing during insert")
+                    raise GuardError(
+                        f"{self.name}: layout kept changing during insert", filter=self.name
+                    )
                 continue
             results.extend(bool(r) for r in reply[2:])
             if reply[0] == scripts.FULL:
                 raise FilterFullError(
                     f"filter {self.name!r} is full ({len(results)} of {len(data)} items added)",
                     results + [False] * (len(data) - len(results)),
+                    filter=self.name,
                 )
         return results
 
@@ -430,36 +364,7 @@ class FilterOps:
                 self._layout = fmt.UNKNOWN_LAYOUT
                 return True
             self._layout = fmt.UNKNOWN_LAYOUT
-        raise GuardError(f"{self.name}: layout kept changing during promote")
-
-
-RESERVE_OPTIONS = (
-    "error_rate",
-    "fingerprint_bits",
-    "bucket_size",
-    "max_kicks",
-    "expansion",
-    "seed",
-)
-
-
-def _plan(capacity: int, **params: Any) -> Layout:
-    # A misspelt option used to be ignored: reserve(100, bucket_sise=2) made bucket size 4.
-    unknown = sorted(set(params) - set(RESERVE_OPTIONS))
-    if unknown:
-        raise InvalidParameterError(
-            f"unknown reserve option(s) {', '.join(unknown)}; "
-            f"it accepts {', '.join(RESERVE_OPTIONS)}"
-        )
-    return plan_layout(
-        capacity,
-        error_rate=params.get("error_rate"),
-        fingerprint_bits=params.get("fingerprint_bits"),
-        bucket_size=params.get("bucket_size", 4),
-        max_kicks=params.get("max_kicks", 500),
-        expansion=params.get("expansion", 2),
-        seed=params.get("seed"),
-    )
+        raise GuardError(f"{self.name}: layout kept changing during promote", filter=self.name)
 
 
 class CuckooFilter(AsyncHandle[FilterInfo], FilterOps):
@@ -489,9 +394,4 @@ class SyncCuckooFilter(SyncHandle[FilterInfo], FilterOps):
     and CLIs."""
 
 
-__all__ = [
-    "CuckooFilter",
-    "FilterInfo",
-    "SyncCuckooFilter",
-    "plan_layout",
-]
+__all__ = ["CuckooFilter", "FilterInfo", "SyncCuckooFilter"]

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from guard.errors import FilterCorruptError, FilterNotFoundError
-from guard.filter import DEFAULT_PREFIX, NAME_PATTERN, FilterInfo
+from guard.filter import FilterInfo
+from guard.names import DEFAULT_PREFIX, NAME_PATTERN
 
 
 def _match_pattern(prefix: str) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Self
 
 from guard import layout as fmt
@@ -29,10 +29,10 @@ from guard.errors import (
     InvalidParameterError,
 )
 from guard.facade import AsyncHandle, SyncHandle
-from guard.filter import DEFAULT_PREFIX, MAX_RETRIES, STAGING, FilterInfo, FilterOps, _plan
+from guard.filter import MAX_RETRIES, FilterInfo, FilterOps
 from guard.hashing import shard_of, to_bytes
-
-MAX_SHARDS = fmt.MAX_SHARDS
+from guard.names import DEFAULT_PREFIX, STAGING
+from guard.params import FilterParams, Limit
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ def shard_capacity(capacity: int, shards: int) -> int:
     return min(capacity, math.ceil(share + 4 * math.sqrt(share)))
 
 
+SHARDS = Limit(1, fmt.MAX_SHARDS)
+
+
 class ShardedOps:
     """The sharded operations, as generators of per-shard rounds; each shard's are a single
     filter's (guard/filter.py: ``FilterOps``)."""
@@ -70,7 +73,7 @@ class ShardedOps:
         shards: int,
         _variant: str = "",
     ) -> None:
-        shards = _check_shards(shards)
+        SHARDS.check("shards", shards)
         self.redis = redis
         self.name = name
         self.prefix = prefix
@@ -135,7 +138,7 @@ class ShardedOps:
         if not present:
             if any(answers[i][4] for i in range(self.shards)):  # sub-filters left: damage
                 raise FilterCorruptError(self.name, "every shard's sub-filter 0 is missing")
-            raise FilterNotFoundError(f"{self.name}: no such filter")
+            raise FilterNotFoundError(f"{self.name}: no such filter", filter=self.name)
         seeds, recorded = set(), set()
         for i in present:
             stored = fmt.Stored(self.key(i), *answers[i][1:4])
@@ -144,9 +147,14 @@ class ShardedOps:
         if len(recorded) > 1:
             raise FilterCorruptError(self.name, f"the shards record shard counts {recorded}")
         if recorded != {self.shards}:
+            count = recorded.pop()
             raise InvalidParameterError(
-                f"{self.name}: the filter has {recorded.pop()} shard(s); this handle was opened "
-                f"with shards={self.shards}"
+                f"{self.name}: the filter has {count} shard(s); this handle was opened "
+                f"with shards={self.shards}",
+                param="shards",
+                limit=str(count),
+                value=self.shards,
+                filter=self.name,
             )
         if len(present) < self.shards:
             missing = sorted(set(range(self.shards)) - set(present))
@@ -203,13 +211,16 @@ class ShardedOps:
                 self._seed = None  # re-read the headers, then route the moved items again
                 todo.sort()
         if todo:
-            raise GuardError(f"{self.name}: the filter kept being recreated during the call")
+            raise GuardError(
+                f"{self.name}: the filter kept being recreated during the call", filter=self.name
+            )
         if full:
             added = sum(bool(r) for r in out)
             raise FilterFullError(
                 f"filter {self.name!r}: {len(full)} shard(s) full ({added} of {len(data)} "
                 "items added)",
                 [bool(r) for r in out],
+                filter=self.name,
             )
         return out
 
@@ -226,7 +237,7 @@ class ShardedOps:
     def _exists_op(self) -> Op[bool]:
         return self._handles[0]._exists_op()
 
-    def _reserve_op(self, capacity: int, params: dict[str, Any]) -> Op[ShardedFilterInfo]:
+    def _reserve_op(self, params: FilterParams) -> Op[ShardedFilterInfo]:
         answers = yield {
             i: Round([Command("EXISTS", [h.key(0)])]) for i, h in enumerate(self._handles)
         }
@@ -234,16 +245,16 @@ class ShardedOps:
             if isinstance(answer, BaseException):
                 raise answer
         if any(answer[0] for answer in answers.values()):
-            raise FilterExistsError(f"{self.name}: filter exists")
-        params = dict(params)
-        if params.get("seed") is None:
-            params["seed"] = yield from self._seed_to_keep()
-        per_shard = shard_capacity(capacity, self.shards)
-        layout = _plan(per_shard, **params)  # validates everything before any write
+            raise FilterExistsError(f"{self.name}: filter exists", filter=self.name)
+        seed = params.seed
+        if seed is None:
+            seed = yield from self._seed_to_keep()
+        per_shard = replace(params, capacity=shard_capacity(params.capacity, self.shards))
+        layout = replace(per_shard, seed=seed).layout()  # one seed (and layout) for all shards
         self._seed = layout.seed
         results = yield from self._fan(
             {
-                i: h._create_op(layout, per_shard, params.get("error_rate"), self.shards)
+                i: h._create_op(layout, per_shard.capacity, params.error_rate, self.shards)
                 for i, h in enumerate(self._handles)
             }
         )
@@ -268,7 +279,9 @@ class ShardedOps:
         for i in range(self.shards):
             if isinstance(results[i], _Rerouted):
                 self._seed = None
-                raise GuardError(f"{self.name}: the filter was recreated during info")
+                raise GuardError(
+                    f"{self.name}: the filter was recreated during info", filter=self.name
+                )
             if isinstance(results[i], BaseException):
                 raise results[i]
         infos: list[FilterInfo] = [results[i] for i in range(self.shards)]
@@ -307,7 +320,9 @@ class ShardedOps:
     def _promote_op(self) -> Op[bool]:
         live = self._live
         if live is None:
-            raise InvalidParameterError("promote() is for a staging copy (see staging())")
+            raise InvalidParameterError(
+                "promote() is for a staging copy (see staging())", filter=self.name
+            )
         # Each shard is replaced atomically; the staging copy keeps the live seed (see
         # _seed_to_keep), so an item routes to the same shard in the old and the new copy and
         # a lookup between two shards' promotes still finds it.
@@ -320,14 +335,6 @@ class ShardedOps:
                 raise r
         live._seed, self._seed = self._seed, None
         return True
-
-
-def _check_shards(shards: object) -> int:
-    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
-        raise InvalidParameterError(
-            f"shards must be an integer from 1 to {MAX_SHARDS}, got {shards!r}"
-        )
-    return shards
 
 
 class ShardedCuckooFilter(AsyncHandle[ShardedFilterInfo], ShardedOps):
