@@ -13,15 +13,14 @@ call checks again and raises FilterCorruptError again.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Self
 
-import numpy as np
 from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
+from guard import hashing, scripts
 from guard import layout as fmt
-from guard import scripts
 from guard.driver import Call, Command, Op, Round
 from guard.errors import (
     FilterCorruptError,
@@ -30,11 +29,11 @@ from guard.errors import (
     GuardError,
 )
 from guard.facade import AsyncHandle, SyncHandle
-from guard.hashing import item_hash, to_bytes
+from guard.hashing import to_bytes
 from guard.layout import Layout
 from guard.names import DEFAULT_PREFIX, STAGING, base_key, check_name
 from guard.params import FilterParams
-from guard.reads import ReadPlan, TagMismatch, plan_hashes
+from guard.reads import ReadPlan, TagMismatch
 
 BATCH_CHUNK = 1000  # items per count/delete script call
 INSERT_CHUNK = 512
@@ -147,13 +146,6 @@ class FilterOps:
             count = layout.subfilters
         raise GuardError(f"{self.name}: layout kept changing while reading it", filter=self.name)
 
-    @staticmethod
-    def _flat_hashes(data: Sequence[bytes], seed: int) -> list[int]:
-        out: list[int] = []
-        for d in data:
-            out.extend(item_hash(d, seed))
-        return out
-
     def staging(self) -> Self:
         """A handle on this filter's staging copy (same hash tag), for rebuilds: fill it,
         then ``promote()`` it in place of the live filter."""
@@ -190,7 +182,7 @@ class FilterOps:
             if not self._layout.buckets0:
                 yield from self._probe_op()
             layout = self._layout
-            flat = self._flat_hashes(data, layout.seed)
+            flat = hashing.flat(hashing.hash_batch(data, layout.seed))
             keys = self._keys(layout.subfilters)
             read_only = script == "count" and self._read_scripts
             try:
@@ -224,7 +216,7 @@ class FilterOps:
         each item once, before any batching."""
         if not data:
             return []
-        hashes: list[tuple[int, int]] | np.ndarray = []
+        hashes: hashing.Hashes = []
         seed = None
         checked = None  # the layout the info script last vouched for
         for _ in range(MAX_RETRIES):
@@ -235,7 +227,7 @@ class FilterOps:
                 continue
             if seed != layout.seed:
                 seed = layout.seed
-                hashes = plan_hashes(data, seed)
+                hashes = hashing.hash_batch(data, seed)
             plan = ReadPlan(layout, hashes, self.key)
             used = self._read_command
             commands: list[Call | Command] = [Command(used, c.args) for c in plan.commands]
@@ -274,7 +266,11 @@ class FilterOps:
             part = data[len(results) : len(results) + chunk]
             # Two spare keys: growth may add sub-filters within one call.
             keys = self._keys(layout.subfilters + spares)
-            args = [*layout.args(), int(unique), *self._flat_hashes(part, layout.seed)]
+            args = [
+                *layout.args(),
+                int(unique),
+                *hashing.flat(hashing.hash_batch(part, layout.seed)),
+            ]
             try:
                 (reply,) = yield Round([Call("insert", keys, args)])
             except (ClusterError, TryAgainError):
