@@ -1,6 +1,8 @@
 """cuckoo-guard: a cuckoo filter in Redis, changed only by atomic Lua scripts."""
 
+from guard.changes import ApplyResult, Change
 from guard.errors import (
+    ChangeSourceError,
     FilterCorruptError,
     FilterExistsError,
     FilterFullError,
@@ -27,7 +29,10 @@ from guard.sharded import ShardedCuckooFilter, ShardedFilterInfo, SyncShardedCuc
 
 __all__ = [
     "NAME_PATTERN",
+    "ApplyResult",
     "AsyncPipeline",
+    "Change",
+    "ChangeSourceError",
     "CuckooFilter",
     "FilterCorruptError",
     "FilterExistsError",

@@ -14,45 +14,16 @@ client flavours.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator, Hashable, Mapping
+from collections.abc import Callable, Generator, Hashable
 from functools import cached_property
 from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 from redis.exceptions import NoScriptError, ResponseError
 
 from guard import scripts
+from guard.ops import Batch, Call, Command, Op, Round
 
 T = TypeVar("T")
-K = TypeVar("K", bound=Hashable)
-
-
-class Call(NamedTuple):
-    """One EVALSHA of a guard script; EVALSHA_RO when ``read_only`` (it runs on a replica)."""
-
-    script: str
-    keys: list[str]
-    args: list[Any]
-    read_only: bool = False
-
-
-class Command(NamedTuple):
-    """One plain Redis command (the script-free reads)."""
-
-    name: str
-    args: list[Any]
-
-
-class Round(NamedTuple):
-    """What an operation sends at once: one pipeline, a MULTI when ``atomic``."""
-
-    calls: list[Call | Command]
-    atomic: bool = False
-
-
-# Rounds sent together, by key; the answer maps each key to its replies or to the exception
-# its round raised (a batch never throws: each round's failure is its own).
-Batch: TypeAlias = dict[Any, Round]
-Op: TypeAlias = Generator[Round | Batch, Any, T]
 
 
 # -- the sends a client makes -------------------------------------------------------------
@@ -201,63 +172,6 @@ def _raise_first_error(replies: list[Any], name: str) -> list[Any]:
         if isinstance(reply, Exception):
             raise reply
     return replies
-
-
-# -- running several operations together ---------------------------------------------------
-
-
-def lockstep(
-    ops: Mapping[K, Op[Any]], check: Callable[[K], BaseException | None] | None = None
-) -> Op[dict[K, Any]]:
-    """Run ``ops`` side by side: each step's rounds go out as one batch, so N operations
-    cost the round trips of the longest, not the sum. Returns each one's result, or the
-    exception it raised (one failing does not stop the others).
-
-    ``check(key)``, after each step of an operation, may stop it with an exception of its
-    own (a sharded filter stops a shard whose routing went stale before anything is sent).
-    """
-    results: dict[K, Any] = {}
-    pending: dict[K, Round | Batch] = {}
-
-    def step(key: K, answer: Any, first: bool = False) -> None:
-        op = ops[key]
-        try:
-            if first:
-                request = next(op)
-            elif isinstance(answer, BaseException):
-                request = op.throw(answer)
-            else:
-                request = op.send(answer)
-        except StopIteration as done:
-            results[key] = done.value
-            return
-        except Exception as exc:
-            results[key] = exc
-            return
-        stop = check(key) if check is not None else None
-        if stop is not None:
-            op.close()
-            results[key] = stop
-            return
-        pending[key] = request
-
-    for key in ops:
-        step(key, None, first=True)
-    while pending:
-        batch: Batch = {}
-        for key, request in pending.items():
-            if isinstance(request, Round):
-                batch[(key,)] = request
-            else:
-                batch.update(((key, sub), rnd) for sub, rnd in request.items())
-        answers = yield batch
-        current, pending = pending, {}
-        for key, request in current.items():
-            if isinstance(request, Round):
-                step(key, answers[(key,)])
-            else:
-                step(key, {sub: answers[(key, sub)] for sub in request})
-    return results
 
 
 # -- the two client flavours ----------------------------------------------------------------

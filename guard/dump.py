@@ -121,7 +121,7 @@ class DumpSummary:
 
 
 def _parse_header(data: bytes) -> tuple[Layout, int, int]:
-    """(layout, capacity, items) from sub-filter 0's 64-byte header."""
+    """(layout, capacity, items) from sub-filter 0's header."""
     if len(data) < fmt.HEADER_BYTES:
         raise DumpError("sub-filter 0 is shorter than a header")
     header = fmt.unpack_header(data)
@@ -336,7 +336,7 @@ def validate_dump(path: str | Path) -> DumpHeader:
         for n, offset, data in _chunks(f, found):
             header = found[0]
             end = offset + len(data)
-            if offset < fmt.HEADER_BYTES:  # collect the 64-byte header of each sub-filter
+            if offset < fmt.HEADER_BYTES:  # collect the header of each sub-filter
                 piece = data[: fmt.HEADER_BYTES - offset]
                 if n == 0:
                     head0 += piece

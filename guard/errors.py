@@ -81,3 +81,19 @@ class FilterCorruptError(GuardError):
             filter, _, reason = filter.partition(": ")
         super().__init__(f"{filter}: {reason}", filter=filter)
         self.reason = reason
+
+
+class ChangeSourceError(GuardError):
+    """The filter follows another change log than the one given: it was built from another
+    database (or another install of the change feed). Rebuild it from this one.
+
+    ``stored`` is the change log identity the filter holds, ``given`` the caller's.
+    """
+
+    def __init__(self, filter: str, stored: int, given: int) -> None:
+        super().__init__(
+            f"{filter}: the filter follows change log {stored:#x}, not {given:#x}; rebuild it",
+            filter=filter,
+        )
+        self.stored = stored
+        self.given = given

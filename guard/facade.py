@@ -15,8 +15,9 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from guard.coalesce import LookupCoalescer
-from guard.driver import AsyncRunner, Op, SyncRunner, lockstep
+from guard.driver import AsyncRunner, SyncRunner
 from guard.hashing import to_bytes
+from guard.ops import Op, lockstep
 from guard.params import FilterParams
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class Facade(Generic[InfoT]):
         name: str
 
         def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]: ...
-        def _reserve_op(self, params: FilterParams) -> Op[InfoT]: ...
+        def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[InfoT]: ...
         def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op[list[bool]]: ...
         def _lookup_op(self, data: list[bytes]) -> Op[list[bool]]: ...
         def _batch_op(self, script: str, items: Iterable[str | bytes]) -> Op[list[Any]]: ...
@@ -78,12 +79,17 @@ class Facade(Generic[InfoT]):
         def _promote_op(self) -> Op[bool]: ...
 
     @operation
-    def reserve(self, capacity: int | FilterParams, **params: Any) -> Op[InfoT]:
+    def reserve(
+        self, capacity: int | FilterParams, *, applied: int = 0, source: int = 0, **params: Any
+    ) -> Op[InfoT]:
         """Create the filter: ``reserve(capacity, **params)`` with error_rate |
         fingerprint_bits, bucket_size, max_kicks, expansion (0 = fixed size), seed (see
         guard/params.py), or ``reserve(FilterParams(...))``. A sharded filter's capacity is the
-        total; each shard gets its share plus headroom."""
-        return (yield from self._reserve_op(FilterParams.of(capacity, **params)))
+        total; each shard gets its share plus headroom. ``applied`` and ``source``: where a
+        filter made from a database snapshot stands in its change log (guard/changes.py;
+        not for a sharded filter)."""
+        made = FilterParams.of(capacity, **params)
+        return (yield from self._reserve_op(made, applied, source))
 
     @operation
     def insert(self, item: str | bytes) -> Op[bool]:

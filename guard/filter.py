@@ -12,8 +12,7 @@ call checks again and raises FilterCorruptError again.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Self
 
@@ -21,26 +20,30 @@ from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from guard import hashing, scripts
 from guard import layout as fmt
-from guard.driver import Call, Command, Op, Round
+from guard.changes import ApplyResult, Change, applied_op, apply_op, undo_op
 from guard.errors import (
     FilterCorruptError,
     FilterFullError,
     FilterNotFoundError,
     GuardError,
 )
-from guard.facade import AsyncHandle, SyncHandle
+from guard.facade import AsyncHandle, SyncHandle, operation
 from guard.hashing import to_bytes
 from guard.layout import Layout
 from guard.names import DEFAULT_PREFIX, STAGING, base_key, check_name
-from guard.params import FilterParams
+from guard.ops import (
+    BATCH_CHUNK,
+    INSERT_CHUNK,
+    KICK_BUDGET,
+    MAX_RETRIES,
+    Call,
+    Command,
+    Op,
+    Round,
+    forgets_on_damage,
+)
+from guard.params import APPLIED, SOURCE, FilterParams
 from guard.reads import ReadPlan, TagMismatch
-
-BATCH_CHUNK = 1000  # items per count/delete script call
-INSERT_CHUNK = 512
-# Kick steps one insert call may take in the worst case (about 1.5 us each on the server):
-# keeps a batch into a nearly full filter far below Redis's 5 s busy-script limit.
-KICK_BUDGET = 100_000
-MAX_RETRIES = 8
 
 
 @dataclass(frozen=True)
@@ -60,24 +63,11 @@ class FilterInfo:
     target_error_rate: float | None
     deletes: int
     missed_deletes: int  # deletes that found nothing: each may have removed another key
+    applied_change: int = 0  # id of the last database change applied (guard/changes.py)
+    change_source: int = 0  # the change log the filter follows (0: none)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _forgets_on_damage(make_op: Callable[..., Op]) -> Callable[..., Op]:
-    """An operation that meets damage leaves its handle with no layout: the bytes no longer
-    back the one it had, and the next call must verify the filter again, not trust it."""
-
-    @functools.wraps(make_op)
-    def op(self: FilterOps, *args: Any, **kwargs: Any) -> Op:
-        try:
-            return (yield from make_op(self, *args, **kwargs))
-        except FilterCorruptError:
-            self._layout = fmt.UNKNOWN_LAYOUT
-            raise
-
-    return op
 
 
 class FilterOps:
@@ -153,14 +143,16 @@ class FilterOps:
 
     # -- operations -------------------------------------------------------------------------
 
-    def _reserve_op(self, params: FilterParams) -> Op[FilterInfo]:
+    def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[FilterInfo]:
+        APPLIED.check("applied", applied)
+        SOURCE.check("source", source)
         layout = params.layout()
-        return (yield from self._create_op(layout, params.capacity, params.error_rate))
+        header = fmt.pack_header(
+            layout, params.capacity, params.error_rate, applied=applied, source=source
+        )
+        return (yield from self._create_op(layout, header))
 
-    def _create_op(
-        self, layout: Layout, capacity: int, error_rate: float | None, shards: int = 0
-    ) -> Op[FilterInfo]:
-        header = fmt.pack_header(layout, capacity, error_rate, shards)
+    def _create_op(self, layout: Layout, header: bytes) -> Op[FilterInfo]:
         total = fmt.string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
         yield Round([Call("reserve", [self.key(0)], [header, total, layout.tag(0)])])
         self._layout = layout
@@ -170,7 +162,7 @@ class FilterOps:
         (found,) = yield Round([Command("EXISTS", [self.key(0)])])
         return bool(found)
 
-    @_forgets_on_damage
+    @forgets_on_damage
     def _batch_op(self, script: str, items: Iterable[str | bytes], chunk: int = BATCH_CHUNK) -> Op:
         """count / delete: chunks are independent, so they go in one pipeline."""
         data = [to_bytes(x) for x in items]
@@ -208,7 +200,7 @@ class FilterOps:
             pending = retry
         raise GuardError(f"{self.name}: layout kept changing during {script}", filter=self.name)
 
-    @_forgets_on_damage
+    @forgets_on_damage
     def _lookup_op(self, data: list[bytes]) -> Op:
         """Script-free: one read command per sub-filter and chunk (guard/reads.py).
 
@@ -251,7 +243,7 @@ class FilterOps:
             checked = self._layout
         raise GuardError(f"{self.name}: layout kept changing during lookup", filter=self.name)
 
-    @_forgets_on_damage
+    @forgets_on_damage
     def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op:
         """Chunks run one after another: a full fixed-size filter stops at the first failure."""
         data = [to_bytes(x) for x in items]
@@ -337,6 +329,8 @@ class FilterOps:
             target_error_rate=first.error_rate,
             deletes=deletes,
             missed_deletes=missed,
+            applied_change=first.applied,
+            change_source=first.source,
         )
 
     def _drop_op(self) -> Op:
@@ -348,7 +342,7 @@ class FilterOps:
         live = FilterOps(self.redis, self.name, self.prefix, _shard=self._shard)
         return (yield from self._replace_op(live))
 
-    @_forgets_on_damage
+    @forgets_on_damage
     def _replace_op(self, live: FilterOps) -> Op[bool]:
         keys = live._keys(fmt.MAX_SUBFILTERS) + self._keys(fmt.MAX_SUBFILTERS)
         for _ in range(MAX_RETRIES):
@@ -363,7 +357,27 @@ class FilterOps:
         raise GuardError(f"{self.name}: layout kept changing during promote", filter=self.name)
 
 
-class CuckooFilter(AsyncHandle[FilterInfo], FilterOps):
+class _ChangeFeed(FilterOps):
+    """The change feed's methods (guard/changes.py): a single filter's handles have them, a
+    sharded filter does not."""
+
+    @operation
+    def apply_changes(self, changes: Sequence[Change], *, source: int) -> Op[ApplyResult]:
+        """Apply database changes in order, each exactly once: see guard/changes.py."""
+        return apply_op(self, changes, source)
+
+    @operation
+    def applied_change(self) -> Op[int]:
+        """The id of the last database change applied to the filter (0: none)."""
+        return applied_op(self)
+
+    @operation
+    def undo_change(self, change: Change, *, source: int) -> Op[bool]:
+        """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
+        return undo_op(self, change, source)
+
+
+class CuckooFilter(AsyncHandle[FilterInfo], _ChangeFeed):
     """A handle on one filter over ``redis.asyncio.Redis`` (or its ``RedisCluster``);
     creating it does no I/O. Its methods are guard/facade.py's.
 
@@ -385,7 +399,7 @@ class CuckooFilter(AsyncHandle[FilterInfo], FilterOps):
         self._start(coalesce)
 
 
-class SyncCuckooFilter(SyncHandle[FilterInfo], FilterOps):
+class SyncCuckooFilter(SyncHandle[FilterInfo], _ChangeFeed):
     """The same filter over a blocking ``redis.Redis`` (or ``RedisCluster``), for scripts
     and CLIs."""
 

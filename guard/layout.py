@@ -16,8 +16,25 @@ from typing import NamedTuple
 from guard.errors import FilterCorruptError
 
 MAGIC = 0x434B4744  # "CKGD"
-VERSION = 2
-HEADER_BYTES = 64
+VERSION = 3
+HEADER_BYTES = 128
+# Byte offsets of the header fields that scripts and readers address one by one (the whole
+# table is in docs/format.md). Growth copies the first COMMON_BYTES of sub-filter 0's header
+# into a new sub-filter; the bytes after them belong to sub-filter 0 alone (0 elsewhere).
+SUBFILTERS_AT = 9
+INDEX_AT = 10
+SHARDS_AT = 18
+ITEMS_AT = 32
+DELETES_AT = 40
+MISSED_AT = 48
+ERROR_RATE_AT = 56
+COMMON_BYTES = 64
+APPLIED_AT = 64  # id of the last database change applied (docs/format.md, "Change feed")
+SOURCE_AT = 72  # identity of the change log the filter follows
+RESERVED_AT = 80  # to HEADER_BYTES: must be zero
+# Change ids stay below 2**53: the scripts compare and add them as Lua doubles, exactly.
+MAX_CHANGE_ID = 2**53 - 1
+MAX_SOURCE = 2**64 - 1
 # Every sub-filter string ends in an 8-byte tag (docs/format.md): which sub-filter it is (and,
 # in sub-filter 0, how many there are), a digest of the geometry, and TRAILER, so that a
 # lookup proves the layout it reads with one 64-bit read instead of the whole header.
@@ -42,7 +59,7 @@ SMALL_TABLE_SLOTS = 4096
 SMALL_TABLE_LOAD = {1: 0.35, 2: 0.72, 4: 0.88, 8: 0.93}
 
 # struct layout of the header; byte offsets are documented in docs/format.md.
-_HEADER = struct.Struct(">IBBBBBBBBIHHIqqqqq")
+_HEADER = struct.Struct(f">IBBBBBBBBIHHIqqqqqQQ{HEADER_BYTES - RESERVED_AT}x")
 assert _HEADER.size == HEADER_BYTES
 _DIGEST_FIELDS = struct.Struct(">BBBBBHII")  # version, b, f0, step, expansion, kicks, m0, seed
 
@@ -145,10 +162,18 @@ def fp_bits_for(error_rate: float, bucket_size: int, growing: bool) -> int:
     return max(MIN_FP_BITS, math.ceil(bits))
 
 
-SHARDS_BIT_OFFSET = 144  # bytes 18-19: shard count of a sharded filter (0 = not sharded)
+SHARDS_BIT_OFFSET = SHARDS_AT * 8  # shard count of a sharded filter (0 = not sharded)
 
 
-def pack_header(layout: Layout, capacity: int, error_rate: float | None, shards: int = 0) -> bytes:
+def pack_header(
+    layout: Layout,
+    capacity: int,
+    error_rate: float | None,
+    shards: int = 0,
+    *,
+    applied: int = 0,
+    source: int = 0,
+) -> bytes:
     return _HEADER.pack(
         MAGIC,
         VERSION,
@@ -168,11 +193,13 @@ def pack_header(layout: Layout, capacity: int, error_rate: float | None, shards:
         0,  # deletes
         0,  # missed deletes
         round((error_rate or 0.0) * 1e12),
+        applied,
+        source,
     )
 
 
 class Header(NamedTuple):
-    """A sub-filter's 64-byte header, decoded (docs/format.md has the byte offsets)."""
+    """A sub-filter's header, decoded (docs/format.md has the byte offsets)."""
 
     magic: int
     version: int
@@ -184,15 +211,21 @@ class Header(NamedTuple):
     deletes: int
     missed_deletes: int
     error_rate: float | None
+    applied: int  # last database change applied (sub-filter 0; 0 = none)
+    source: int  # the change log followed (sub-filter 0; 0 = none)
 
 
 def unpack_header(data: bytes) -> Header:
-    """Decode the first 64 bytes of a sub-filter string (no validation: compare magic yourself)."""
+    """Decode the header of a sub-filter string (no validation: compare magic yourself)."""
+    fields = _HEADER.unpack_from(data)
     (magic, version, b, f0, step, exp, nsub, index, _flags, m0, kicks, shards, seed,
-     capacity, items, deletes, missed, eps_ppt) = _HEADER.unpack_from(data)  # fmt: skip
+     capacity, items, deletes, missed, eps_ppt, applied, source) = fields  # fmt: skip
     layout = Layout(b, f0, step, exp, nsub, kicks, m0, seed)
     rate = eps_ppt / 1e12 if eps_ppt else None
-    return Header(magic, version, layout, index, shards, capacity, items, deletes, missed, rate)
+    return Header(
+        magic, version, layout, index, shards, capacity, items, deletes, missed, rate,
+        applied, source,
+    )  # fmt: skip
 
 
 def unpack_table(data: bytes, buckets: int, bucket_size: int, fp_bits: int) -> list[int]:
@@ -224,24 +257,33 @@ def probe_reads(key: str) -> list[tuple[str, list[str | int]]]:
 
 
 # (field, byte offset, size, lowest, highest): every header field with a range of its own
-# (docs/format.md, "Valid values"); _common.lua:header_problem checks the same list.
+# (docs/format.md, "Valid values"); _common.lua:header_problem checks the same list. The
+# version comes first, on its own: another version is not damage but another format.
 _RANGES = (
-    ("version", 4, 1, VERSION, VERSION),
     ("bucket_size", 5, 1, 1, 8),
     ("fp_bits", 6, 1, MIN_FP_BITS, MAX_FP_BITS),
     ("fp_step", 7, 1, 0, 1),
     ("expansion", 8, 1, 0, MAX_EXPANSION),
-    ("subfilters", 9, 1, 1, MAX_SUBFILTERS),
-    ("index", 10, 1, 0, 0),
+    ("subfilters", SUBFILTERS_AT, 1, 1, MAX_SUBFILTERS),
+    ("index", INDEX_AT, 1, 0, 0),
     ("flags", 11, 1, 0, 0),
     ("buckets0", 12, 4, 1, 2**32 - 1),
     ("max_kicks", 16, 2, 0, MAX_KICKS_LIMIT),
-    ("shards", 18, 2, 0, MAX_SHARDS),
+    ("shards", SHARDS_AT, 2, 0, MAX_SHARDS),
     ("capacity", 24, 8, 1, MAX_CAPACITY),
-    ("deletes", 40, 8, 0, 2**63 - 1),
-    ("missed_deletes", 48, 8, 0, 2**63 - 1),
-    ("error_rate", 56, 8, 0, MAX_ERROR_RATE_PPT - 1),
+    ("deletes", DELETES_AT, 8, 0, 2**63 - 1),
+    ("missed_deletes", MISSED_AT, 8, 0, 2**63 - 1),
+    ("error_rate", ERROR_RATE_AT, 8, 0, MAX_ERROR_RATE_PPT - 1),
+    ("applied", APPLIED_AT, 8, 0, MAX_CHANGE_ID),
 )
+
+
+def version_problem(version: int) -> str:
+    """Why a string of another format version is refused (docs/format.md, "Upgrading")."""
+    return (
+        f"unsupported format version {version} (this library reads version {VERSION}; "
+        "re-create the filter: docs/format.md, Upgrading)"
+    )
 
 
 def _field(header: bytes, at: int, size: int) -> int:
@@ -250,8 +292,14 @@ def _field(header: bytes, at: int, size: int) -> int:
 
 def _header_problem(header: bytes) -> str | None:
     """What is wrong with sub-filter 0's header on its own, or None."""
-    if len(header) < HEADER_BYTES or _field(header, 0, 4) != MAGIC:
+    if len(header) < 5 or _field(header, 0, 4) != MAGIC:
         return "bad magic"
+    if header[4] != VERSION:
+        return version_problem(header[4])
+    if len(header) < HEADER_BYTES:
+        return f"truncated: {len(header)} bytes long, shorter than a header"
+    if any(header[RESERVED_AT:HEADER_BYTES]):
+        return f"reserved bytes {RESERVED_AT}-{HEADER_BYTES - 1} are not zero"
     for name, at, size, low, high in _RANGES:
         value = _field(header, at, size)
         if not low <= value <= high:
@@ -271,20 +319,30 @@ def _header_problem(header: bytes) -> str | None:
 
 def _subfilter_problem(header: bytes, header0: bytes, n: int) -> str | None:
     """What is wrong with sub-filter n's header (n >= 1), or None: it is sub-filter 0's
-    header as growth copied it, with its own index and item count, its own counters zero."""
+    header as growth copied it (its first COMMON_BYTES), with its own index and item count,
+    its own counters zero, and nothing of sub-filter 0's own bytes (applied, source)."""
     if len(header) < HEADER_BYTES or _field(header, 0, 4) != MAGIC:
         return "bad magic"
-    if header[9] != n or header[10] != n:
-        return f"holds sub-filter count {header[9]} and index {header[10]}, expected {n}"
-    same = (slice(0, 9), slice(11, 32), slice(56, 64))
-    if any(header[part] != header0[part] for part in same) or any(header[40:56]):
+    count, index = header[SUBFILTERS_AT], header[INDEX_AT]
+    if count != n or index != n:
+        return f"holds sub-filter count {count} and index {index}, expected {n}"
+    same = (
+        slice(0, SUBFILTERS_AT),
+        slice(INDEX_AT + 1, ITEMS_AT),
+        slice(ERROR_RATE_AT, COMMON_BYTES),
+    )
+    if (
+        any(header[part] != header0[part] for part in same)
+        or any(header[DELETES_AT:ERROR_RATE_AT])
+        or any(header[COMMON_BYTES:HEADER_BYTES])
+    ):
         return "header disagrees with sub-filter 0's"
     return None
 
 
 def _string_problem(layout: Layout, n: int, sub: Stored) -> str | None:
     """Items, length and tag of sub-filter n against the layout, or None."""
-    items = _field(sub.header, 32, 8)
+    items = _field(sub.header, ITEMS_AT, 8)
     slots = layout.buckets(n) * layout.bucket_size
     if items > slots:  # also every negative count: the field is a signed 64-bit integer
         return f"items {items} is out of range 0-{slots}"

@@ -161,6 +161,12 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+# Not the filter's shape but where a filter made from a database snapshot stands in the
+# database's change log (guard/changes.py): reserve() takes them beside the parameters.
+APPLIED = Limit(0, layout.MAX_CHANGE_ID)
+SOURCE = Limit(0, layout.MAX_SOURCE)
+
+
 def min_error_rate(bucket_size: int, growing: bool) -> float:
     """The lowest error_rate that ``MAX_FP_BITS``-bit fingerprints reach: one full table
     answers a false "maybe" with probability up to 2b / 2^f (layout.fp_bits_for), and a
@@ -168,4 +174,14 @@ def min_error_rate(bucket_size: int, growing: bool) -> float:
     return math.ldexp(2 * bucket_size, (1 if growing else 0) - layout.MAX_FP_BITS)
 
 
-__all__ = ["DEFAULTS", "EITHER", "FIELDS", "FilterParams", "Limit", "Spec", "min_error_rate"]
+__all__ = [
+    "APPLIED",
+    "DEFAULTS",
+    "EITHER",
+    "FIELDS",
+    "SOURCE",
+    "FilterParams",
+    "Limit",
+    "Spec",
+    "min_error_rate",
+]

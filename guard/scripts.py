@@ -26,14 +26,16 @@ from guard.errors import (
 PIECES = {
     "reserve": ("_common",),
     "count": ("_common", "_store"),
-    "insert": ("_common", "_store"),
-    "delete": ("_common", "_store"),
+    "insert": ("_common", "_store", "_place"),
+    "delete": ("_common", "_store", "_place"),
+    "apply": ("_common", "_store", "_place", "_changes"),
+    "undo": ("_common", "_store", "_place", "_changes"),
     "drop": ("_common",),
     "promote": ("_common",),
 }
 
 # Reply status codes, as in _common.lua.
-OK, STALE, FULL, NEEDKEYS = 0, 1, 2, 3
+OK, STALE, FULL, NEEDKEYS, GAP, SOURCE = 0, 1, 2, 3, 4, 5
 
 _CODES: dict[str, type[GuardError]] = {
     "NOTFOUND": FilterNotFoundError,

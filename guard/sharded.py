@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Self
 
 from guard import layout as fmt
-from guard.driver import Command, Op, Round, lockstep
 from guard.errors import (
     FilterCorruptError,
     FilterExistsError,
@@ -29,9 +28,10 @@ from guard.errors import (
     InvalidParameterError,
 )
 from guard.facade import AsyncHandle, SyncHandle
-from guard.filter import MAX_RETRIES, FilterInfo, FilterOps
+from guard.filter import FilterInfo, FilterOps
 from guard.hashing import shard_of, to_bytes
 from guard.names import DEFAULT_PREFIX, STAGING
+from guard.ops import MAX_RETRIES, Command, Op, Round, lockstep
 from guard.params import FilterParams, Limit
 
 
@@ -237,7 +237,13 @@ class ShardedOps:
     def _exists_op(self) -> Op[bool]:
         return self._handles[0]._exists_op()
 
-    def _reserve_op(self, params: FilterParams) -> Op[ShardedFilterInfo]:
+    def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[ShardedFilterInfo]:
+        if applied or source:
+            raise InvalidParameterError(
+                "a sharded filter follows no change log: reserve() takes no applied or source",
+                param="applied" if applied else "source",
+                filter=self.name,
+            )
         answers = yield {
             i: Round([Command("EXISTS", [h.key(0)])]) for i, h in enumerate(self._handles)
         }
@@ -252,11 +258,9 @@ class ShardedOps:
         per_shard = replace(params, capacity=shard_capacity(params.capacity, self.shards))
         layout = replace(per_shard, seed=seed).layout()  # one seed (and layout) for all shards
         self._seed = layout.seed
+        header = fmt.pack_header(layout, per_shard.capacity, params.error_rate, self.shards)
         results = yield from self._fan(
-            {
-                i: h._create_op(layout, per_shard.capacity, params.error_rate, self.shards)
-                for i, h in enumerate(self._handles)
-            }
+            {i: h._create_op(layout, header) for i, h in enumerate(self._handles)}
         )
         return self._combine(results)
 

@@ -6,10 +6,12 @@ any divergence of the Lua from the specified algorithm shows up at once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from guard import hashing
 from guard import layout as fmt
+from guard.changes import Change
 from guard.layout import Layout
 
 P31 = 2147483647
@@ -24,10 +26,27 @@ def lehmer_seed(h: int, g: int) -> int:
     return (h + g) % (P31 - 1) + 1
 
 
+class SourceMismatch(Exception):
+    """The filter follows another change log (the library raises ChangeSourceError)."""
+
+
+@dataclass
+class Applied:
+    """What apply() did: the library's ApplyResult, plus whether a full filter stopped it."""
+
+    applied: int
+    gap: bool
+    results: list[bool]
+    skipped: int
+    full: bool = False
+
+
 @dataclass
 class ReferenceFilter:
     layout: Layout
     tables: list[list[int]] = field(default_factory=list)
+    applied: int = 0  # the change feed's watermark (docs/format.md, "Change feed")
+    source: int = 0
 
     def __post_init__(self) -> None:
         if not self.tables:
@@ -138,4 +157,46 @@ class ReferenceFilter:
             self.layout = lay
             return False
         self.tables.append(self._empty(n))
+        return True
+
+    # -- the change feed: guard/lua/apply.lua and undo.lua ----------------------------------
+
+    def _check_source(self, source: int) -> None:
+        if self.source and self.source != source:
+            raise SourceMismatch(f"{self.source} != {source}")
+
+    def apply(self, changes: Sequence[Change], source: int) -> Applied:
+        """Each change exactly once: ids up to ``applied`` are skipped, the next must follow
+        ``applied``, which moves to the last change handled."""
+        self._check_source(source)
+        first = changes[0].id if changes else 1
+        skip = min(len(changes), max(0, self.applied - first + 1))
+        if skip < len(changes) and first + skip != self.applied + 1:
+            return Applied(self.applied, True, [], 0)
+        out = Applied(self.applied, False, [True] * skip, skip)
+        for change in changes[skip:]:
+            if change.insert:
+                added = self.insert(change.item)
+                if added is None:
+                    out.full = True
+                    break
+                out.results.append(added)
+            else:
+                out.results.append(self.delete(change.item))
+        self.applied = out.applied = max(self.applied, first + len(out.results) - 1)
+        self.source = source
+        return out
+
+    def undo(self, change: Change, source: int) -> bool | None:
+        """Take back the last change applied: True; False when ``change`` is not it; None
+        when a delete cannot be taken back (no room for the item)."""
+        self._check_source(source)
+        if self.applied != change.id:
+            return False
+        if change.insert:
+            self.delete(change.item)
+        elif self.insert(change.item) is None:
+            return None
+        self.applied = change.id - 1
+        self.source = source
         return True

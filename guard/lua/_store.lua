@@ -72,7 +72,7 @@ local function flush()
     end
     dirty[n] = {}
     if item_delta[n] ~= 0 then
-      args[#args + 1] = 'INCRBY'; args[#args + 1] = 'i64'; args[#args + 1] = 256
+      args[#args + 1] = 'INCRBY'; args[#args + 1] = 'i64'; args[#args + 1] = ITEMS_AT * 8
       args[#args + 1] = item_delta[n]
       item_delta[n] = 0
       ops = ops + 1

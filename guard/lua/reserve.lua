@@ -1,5 +1,5 @@
 -- reserve.lua: create a filter's first sub-filter.
--- KEYS[1]: sub-filter 0.  ARGV[1]: the 64-byte header (built by guard/layout.py).
+-- KEYS[1]: sub-filter 0.  ARGV[1]: the header, HEADER_BYTES long (built by guard/layout.py).
 -- ARGV[2]: the string's full length in bytes.  ARGV[3]: its 8-byte tag (guard/layout.py).
 -- Reply: 1, or a GUARD_EXISTS error.
 local header, total, tag = ARGV[1], tonumber(ARGV[2]), ARGV[3]

@@ -26,6 +26,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from guard import (
+    Change,
+    ChangeSourceError,
     CuckooFilter,
     FilterCorruptError,
     FilterNotFoundError,
@@ -50,11 +52,12 @@ DAMAGE_KINDS = ["header", "tag", "truncate", "extend", "retype", "delete"]
 DAMAGE = st.tuples(
     st.sampled_from(DAMAGE_KINDS),
     st.integers(0, 63),
-    st.integers(0, 63),
+    st.integers(0, fmt.HEADER_BYTES - 1),
     st.integers(0, 255),
 )
 
 _names = itertools.count()
+SOURCE = 0x5EED  # the change log apply_changes says it follows
 MAX_EXAMPLES = 60  # per backend: about 5 s each here
 
 
@@ -183,7 +186,43 @@ def run_sync(case: Case, cf: Any, fresh: Callable[[], Any], dump: bool) -> None:
         if batch[0] in case.extra and _check(case, cf, delete, _found):
             case.extra.remove(batch[0])
             still_found()
+    if hasattr(cf, "apply_changes"):  # the change feed follows unsharded filters
+        run_changes(case, cf, still_found)
     _check(case, cf, lambda: cf.lookup_many(everything()), _found)
+
+
+def run_changes(case: Case, cf: SyncCuckooFilter, still_found: Callable[[], None]) -> None:
+    """apply_changes, then undo_change of what it applied. Damage to the stored source reads
+    as a filter following another change log: ChangeSourceError (rebuild), also right."""
+    applied: list[int] = []
+    if not _check(case, cf, cf.applied_change, applied.append):
+        return
+    item = f"new{next(_names)}"
+    change = Change(applied[0] + 1, True, item)
+    answers: list[Any] = []
+
+    def call(op: Callable[[], Any]) -> Callable[[], Any]:
+        def guarded() -> Any:
+            try:
+                answers.append(op())
+            except ChangeSourceError:
+                answers.append(None)
+            return answers[-1]
+
+        return guarded
+
+    def apply() -> Any:
+        return cf.apply_changes([change], source=SOURCE)
+
+    applied_ok = _check(case, cf, call(apply), lambda r: r is None or _found(r.results))
+    if not applied_ok or answers[-1] is None:
+        return
+    case.extra.append(item)
+    still_found()
+    undone = _check(case, cf, call(lambda: cf.undo_change(change, source=SOURCE)), _any)
+    if undone and answers[-1] is True:
+        case.extra.remove(item)
+        still_found()
 
 
 async def run_async(case: Case, cf: Any, fresh: Callable[[], Any]) -> None:

@@ -1,0 +1,103 @@
+"""The stored format, version 3 (docs/format.md): header fields, what is refused, and why."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from guard import FilterCorruptError, SyncCuckooFilter
+from guard import layout as fmt
+from guard.dump import export_filter
+
+
+@pytest.fixture
+def cf(sync_redis: redis.Redis, prefix: str) -> SyncCuckooFilter:
+    f = SyncCuckooFilter(sync_redis, "fmt", prefix=prefix)
+    f.reserve(50, seed=9, fingerprint_bits=8, applied=7, source=2**64 - 1)
+    return f
+
+
+def every_operation(cf: SyncCuckooFilter) -> list[Callable[[], object]]:
+    """Each kind of call: scripts, the probe, a fresh handle's lookup, export."""
+    fresh = SyncCuckooFilter(cf.redis, cf.name, cf.prefix)
+    return [
+        lambda: cf.insert("x"),
+        lambda: cf.delete("x"),
+        lambda: cf.count("x"),
+        cf.info,
+        cf.applied_change,
+        lambda: fresh.lookup("x"),
+        lambda: export_filter(cf, io.BytesIO()),
+    ]
+
+
+class TestHeader:
+    def test_pack_and_unpack_agree(self) -> None:
+        layout = fmt.Layout(4, 16, 0, 2, 1, 500, 1000, 12345)
+        raw = fmt.pack_header(layout, 4000, 0.001, 3, applied=2**53 - 1, source=2**64 - 1)
+        assert len(raw) == fmt.HEADER_BYTES == 128
+        header = fmt.unpack_header(raw)
+        assert (header.version, header.layout, header.capacity, header.shards) == (
+            3, layout, 4000, 3,
+        )  # fmt: skip
+        assert (header.applied, header.source) == (2**53 - 1, 2**64 - 1)
+        assert raw[fmt.APPLIED_AT : fmt.SOURCE_AT] == (2**53 - 1).to_bytes(8, "big")
+        assert raw[fmt.RESERVED_AT :] == bytes(fmt.HEADER_BYTES - fmt.RESERVED_AT)
+
+    def test_the_table_starts_after_the_header(
+        self, cf: SyncCuckooFilter, sync_redis: redis.Redis
+    ) -> None:
+        cf.insert("a")
+        lay = cf._layout
+        raw = sync_redis.get(cf.key())
+        table = fmt.unpack_table(raw, lay.buckets(0), lay.bucket_size, lay.fp_bits)
+        assert sum(1 for slot in table if slot) == 1
+        assert raw[fmt.RESERVED_AT : fmt.HEADER_BYTES] == bytes(fmt.HEADER_BYTES - fmt.RESERVED_AT)
+        assert len(raw) == fmt.HEADER_BYTES + (lay.buckets(0) * 4 * 8 + 7) // 8 + fmt.TAG_BYTES
+
+    def test_growth_leaves_the_watermark_to_subfilter_0(
+        self, cf: SyncCuckooFilter, sync_redis: redis.Redis
+    ) -> None:
+        cf.insert_many([f"k{i}" for i in range(300)])
+        assert cf.info().subfilters > 1
+        head1 = fmt.unpack_header(sync_redis.getrange(cf.key(1), 0, fmt.HEADER_BYTES - 1))
+        assert (head1.applied, head1.source, head1.subfilter) == (0, 0, 1)
+        assert cf.info().applied_change == 7
+
+
+class TestRefused:
+    def test_version_2_is_unsupported(self, cf: SyncCuckooFilter, sync_redis: redis.Redis) -> None:
+        sync_redis.setrange(cf.key(), 4, b"\x02")
+        for op in every_operation(cf):
+            with pytest.raises(FilterCorruptError, match="unsupported format version 2"):
+                op()
+
+    @pytest.mark.parametrize("at", [fmt.RESERVED_AT, fmt.HEADER_BYTES - 1])
+    def test_reserved_bytes_must_be_zero(
+        self, cf: SyncCuckooFilter, sync_redis: redis.Redis, at: int
+    ) -> None:
+        sync_redis.setrange(cf.key(), at, b"\x01")
+        for op in every_operation(cf):
+            with pytest.raises(FilterCorruptError, match="reserved bytes 80-127"):
+                op()
+
+    def test_applied_above_2_to_the_53_is_out_of_range(
+        self, cf: SyncCuckooFilter, sync_redis: redis.Redis
+    ) -> None:
+        sync_redis.setrange(cf.key(), fmt.APPLIED_AT + 1, b"\x20")  # 2**53
+        for op in every_operation(cf):
+            with pytest.raises(FilterCorruptError, match="applied"):
+                op()
+
+    @pytest.mark.parametrize("at", [fmt.APPLIED_AT, fmt.SOURCE_AT + 7, fmt.RESERVED_AT])
+    def test_a_subfilter_holds_no_watermark(
+        self, cf: SyncCuckooFilter, sync_redis: redis.Redis, at: int
+    ) -> None:
+        cf.insert_many([f"k{i}" for i in range(300)])
+        sync_redis.setrange(cf.key(1), at, b"\x01")
+        for op in every_operation(cf):
+            with pytest.raises(FilterCorruptError, match="disagrees with sub-filter 0"):
+                op()
