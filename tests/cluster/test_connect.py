@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from typing import Any
 
 import pytest
 import redis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
+from typer.testing import CliRunner
 
+from app.cli import common
+from app.cli.common import cli
 from guard import InvalidParameterError, SyncCuckooFilter
 from guard.connect import connect, connect_async, is_cluster_url, split_cluster_url
 from tests.cluster.server import LocalCluster
+from tests.keys import cleanup
 from tests.redis_server import SPIN_2S, RedisProcess
 
 
@@ -111,3 +116,56 @@ class TestNoRetryAfterTimeout:
             client.close()
             busy.close()
             server.stop()
+
+
+class TestCliClient:
+    """The CLI opens Redis through guard.connect, as the service does (app/cli/common.py)."""
+
+    def test_a_timed_out_delete_runs_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(common, "COMMAND_TIMEOUT_S", 0.5)
+        server = RedisProcess.start()  # its own: a busy script blocks every client of a server
+        busy = redis.Redis.from_url(server.url)
+        try:
+            with common.sync_redis(common.settings(redis_url=server.url)) as client:
+                cf = SyncCuckooFilter(client, "f", prefix="t:")
+                cf.reserve(100)
+                cf.insert_many(["a", "a", "b"])
+                cf.delete("b")  # loads the script: a first EVALSHA would fail NOSCRIPT
+                blocker = threading.Thread(target=busy.eval, args=(SPIN_2S, 0))
+                blocker.start()
+                time.sleep(0.3)
+                try:
+                    with pytest.raises(redis.TimeoutError):
+                        cf.delete("a")  # queued behind the script, which holds Redis for 2 s
+                finally:
+                    blocker.join()
+                assert cf.count("a") == 1  # it ran when the script ended, and only once
+        finally:
+            busy.close()
+            server.stop()
+
+    def test_a_cluster_url_opens_a_cluster(self, cluster: LocalCluster) -> None:
+        with common.sync_redis(common.settings(redis_url=cluster.url)) as client:
+            assert isinstance(client, RedisCluster) and len(client.get_primaries()) == 3
+        one_node = f"redis://127.0.0.1:{cluster.ports[1]}"
+        with common.sync_redis(common.settings(redis_url=one_node, redis_cluster=True)) as client:
+            assert isinstance(client, RedisCluster) and len(client.get_primaries()) == 3
+
+    def test_commands_work_on_a_cluster(
+        self, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        prefix = f"test:cli:{uuid.uuid4().hex[:12]}:"
+        monkeypatch.setenv("GUARD_REDIS_URL", cluster.url)
+        monkeypatch.setenv("GUARD_KEY_PREFIX", prefix)
+        runner = CliRunner()
+        try:
+            for name in ("a", "b", "c"):  # hash tags on different nodes, most likely
+                result = runner.invoke(cli, ["create", name, "-c", "1000"])
+                assert result.exit_code == 0, result.stderr
+            result = runner.invoke(cli, ["list", "--json"])
+            assert result.exit_code == 0, result.stderr
+            assert {"a", "b", "c"} <= set(result.stdout.replace('"', " ").split())
+        finally:
+            client = connect(cluster.url)
+            cleanup(client, prefix)
+            client.close()
