@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
-from guard import layout as fmt
 from guard import scripts
 from guard.errors import ChangeSourceError, FilterFullError, GuardError, InvalidParameterError
 from guard.hashing import item_hash, to_bytes
+from guard.layout import APPLIED_AT, MAX_CHANGE_ID, MAX_SOURCE, TAG_BYTES, Layout, unpack_header
 from guard.ops import (
     INSERT_CHUNK,
     KICK_BUDGET,
@@ -56,8 +56,8 @@ class ApplyResult:
     skipped: int = 0  # of the handled ones, those an earlier call had applied
 
 
-SOURCE = Limit(1, fmt.MAX_SOURCE)  # 0 is "none": a change log has an identity
-CHANGE_ID = Limit(1, fmt.MAX_CHANGE_ID)
+SOURCE = Limit(1, MAX_SOURCE)  # 0 is "none": a change log has an identity
+CHANGE_ID = Limit(1, MAX_CHANGE_ID)
 
 
 def _check_source(source: object) -> bytes:
@@ -84,7 +84,7 @@ def _checked(changes: Sequence[Change]) -> list[Item]:
     return out
 
 
-def _chunk(layout: fmt.Layout) -> int:
+def _chunk(layout: Layout) -> int:
     # Each change may kick like an insert: the same budget per call.
     return max(1, min(INSERT_CHUNK, KICK_BUDGET // max(1, layout.max_kicks)))
 
@@ -107,7 +107,7 @@ class _Sender:
         self.stale = self.spare_less = 0
         self.spares = 2
 
-    def call(self, tail: Callable[[fmt.Layout], list[Any]]) -> Op:
+    def call(self, tail: Callable[[Layout], list[Any]]) -> Op:
         """One call; ``tail(layout)`` gives the arguments after the layout's. Returns the
         reply (any status but STALE and SOURCE)."""
         f = self.f
@@ -157,7 +157,7 @@ def apply_op(f: FilterOps, changes: Sequence[Change], source: int) -> Op:
         part = batch[len(results) : len(results) + _chunk(f._layout)]
         first = part[0][0] if part else 1
 
-        def tail(layout: fmt.Layout, part: list[Item] = part, first: int = first) -> list[Any]:
+        def tail(layout: Layout, part: list[Item] = part, first: int = first) -> list[Any]:
             return [src, first, *_change_args(part, layout.seed)]
 
         reply = yield from sender.call(tail)
@@ -182,7 +182,7 @@ def undo_op(f: FilterOps, change: Change, source: int) -> Op:
     src = _check_source(source)
     item = _checked([change])
 
-    def tail(layout: fmt.Layout) -> list[Any]:
+    def tail(layout: Layout) -> list[Any]:
         return [src, change.id, *_change_args(item, layout.seed)]
 
     sender = _Sender(f, "undo", source)
@@ -207,9 +207,9 @@ def applied_op(f: FilterOps) -> Op:
         layout = f._layout
         if not layout.buckets0:
             break
-        tag_at = (layout.string_bytes(0) - fmt.TAG_BYTES) * 8
+        tag_at = (layout.string_bytes(0) - TAG_BYTES) * 8
         used = f._read_command
-        read = Command(used, [f.key(0), "GET", "i64", tag_at, "GET", "i64", fmt.APPLIED_AT * 8])
+        read = Command(used, [f.key(0), "GET", "i64", tag_at, "GET", "i64", APPLIED_AT * 8])
         try:
             ((tag, applied),) = yield Round([read])
         except ResponseError as exc:
@@ -219,8 +219,8 @@ def applied_op(f: FilterOps) -> Op:
                 continue
             raise
         expected = int.from_bytes(layout.tag(0), "big", signed=True)
-        if tag == expected and 0 <= applied <= fmt.MAX_CHANGE_ID:
+        if tag == expected and 0 <= applied <= MAX_CHANGE_ID:
             return int(applied)
         break
     stored = yield from f._probe_op()
-    return fmt.unpack_header(stored[0].header).applied
+    return unpack_header(stored[0].header).applied

@@ -65,8 +65,9 @@ class operation(Generic[P, T]):
 class Facade(Generic[InfoT]):
     """The methods every handle has. ``InfoT``: what ``info()`` and ``reserve()`` return."""
 
+    name: str
+
     if TYPE_CHECKING:  # what a handle provides (guard/filter.py, guard/sharded.py)
-        name: str
 
         def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]: ...
         def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[InfoT]: ...

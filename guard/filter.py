@@ -19,7 +19,6 @@ from typing import Any, Self
 from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from guard import hashing, scripts
-from guard import layout as fmt
 from guard.changes import ApplyResult, Change, applied_op, apply_op, undo_op
 from guard.errors import (
     FilterCorruptError,
@@ -29,7 +28,18 @@ from guard.errors import (
 )
 from guard.facade import AsyncHandle, SyncHandle, operation
 from guard.hashing import to_bytes
-from guard.layout import Layout
+from guard.layout import (
+    MAX_SUBFILTERS,
+    UNKNOWN_LAYOUT,
+    Header,
+    Layout,
+    Stored,
+    pack_header,
+    probe_reads,
+    string_bytes,
+    unpack_header,
+    verify_stored,
+)
 from guard.names import DEFAULT_PREFIX, STAGING, base_key, check_name
 from guard.ops import (
     BATCH_CHUNK,
@@ -88,7 +98,7 @@ class FilterOps:
         self._variant = _variant
         self._shard = _shard
         self._base = base_key(prefix, name, _shard, _variant)
-        self._layout = fmt.UNKNOWN_LAYOUT
+        self._layout = UNKNOWN_LAYOUT
         self._read_command = "BITFIELD_RO"
         self._read_scripts = True  # EVALSHA_RO for scripts that only read (Redis 7+)
 
@@ -104,7 +114,7 @@ class FilterOps:
             if reply[1] != self._layout.subfilters:  # this very call grew the filter
                 self._layout = replace(self._layout, subfilters=int(reply[1]))
             return False
-        self._layout = fmt.UNKNOWN_LAYOUT
+        self._layout = UNKNOWN_LAYOUT
         return True
 
     def _probe_op(self) -> Op:
@@ -112,24 +122,22 @@ class FilterOps:
 
         One MULTI reads each sub-filter's header, length and tag (as many sub-filters as the
         handle last knew of; a second MULTI when sub-filter 0 counts more). Returns what was
-        read, one fmt.Stored per sub-filter.
+        read, one Stored per sub-filter.
         """
         count = max(1, self._layout.subfilters)
-        self._layout = fmt.UNKNOWN_LAYOUT  # nothing unverified is kept, even on failure
+        self._layout = UNKNOWN_LAYOUT  # nothing unverified is kept, even on failure
         for _ in range(MAX_RETRIES):
             calls: list[Call | Command] = [Command("EXISTS", [self.key(0)])]
             calls.append(Command("EXISTS", [self.key(1)]))
             for n in range(count):
-                calls += [Command(*read) for read in fmt.probe_reads(self.key(n))]
+                calls += [Command(*read) for read in probe_reads(self.key(n))]
             replies = yield Round(calls, atomic=True)
             if not replies[0]:
                 if replies[1]:  # what is left of a filter is no filter, but never "absent"
                     raise FilterCorruptError(self.name, f"{self.key(0)} is missing")
                 raise FilterNotFoundError(f"{self.name}: no such filter", filter=self.name)
-            stored = [
-                fmt.Stored(self.key(n), *replies[2 + 3 * n : 5 + 3 * n]) for n in range(count)
-            ]
-            layout = fmt.verify_stored(self.name, stored)
+            stored = [Stored(self.key(n), *replies[2 + 3 * n : 5 + 3 * n]) for n in range(count)]
+            layout = verify_stored(self.name, stored)
             if layout.subfilters <= count:
                 self._layout = layout
                 return stored[: layout.subfilters]
@@ -147,13 +155,13 @@ class FilterOps:
         APPLIED.check("applied", applied)
         SOURCE.check("source", source)
         layout = params.layout()
-        header = fmt.pack_header(
+        header = pack_header(
             layout, params.capacity, params.error_rate, applied=applied, source=source
         )
         return (yield from self._create_op(layout, header))
 
     def _create_op(self, layout: Layout, header: bytes) -> Op[FilterInfo]:
-        total = fmt.string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
+        total = string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
         yield Round([Call("reserve", [self.key(0)], [header, total, layout.tag(0)])])
         self._layout = layout
         return (yield from self._info_op())
@@ -295,9 +303,9 @@ class FilterOps:
     def _info_op(self) -> Op:
         """Script-free (it runs on a read-only replica): the probe reads every header."""
         stored = yield from self._probe_op()
-        return self._make_info(self._layout, [fmt.unpack_header(s.header) for s in stored])
+        return self._make_info(self._layout, [unpack_header(s.header) for s in stored])
 
-    def _make_info(self, layout: Layout, headers: list[fmt.Header]) -> FilterInfo:
+    def _make_info(self, layout: Layout, headers: list[Header]) -> FilterInfo:
         first = headers[0]
         capacity, deletes, missed = first.capacity, first.deletes, first.missed_deletes
         per_sub = [h.items for h in headers]
@@ -334,8 +342,8 @@ class FilterOps:
         )
 
     def _drop_op(self) -> Op:
-        (existed,) = yield Round([Call("drop", self._keys(fmt.MAX_SUBFILTERS), [])])
-        self._layout = fmt.UNKNOWN_LAYOUT
+        (existed,) = yield Round([Call("drop", self._keys(MAX_SUBFILTERS), [])])
+        self._layout = UNKNOWN_LAYOUT
         return bool(existed)
 
     def _promote_op(self) -> Op[bool]:
@@ -344,16 +352,16 @@ class FilterOps:
 
     @forgets_on_damage
     def _replace_op(self, live: FilterOps) -> Op[bool]:
-        keys = live._keys(fmt.MAX_SUBFILTERS) + self._keys(fmt.MAX_SUBFILTERS)
+        keys = live._keys(MAX_SUBFILTERS) + self._keys(MAX_SUBFILTERS)
         for _ in range(MAX_RETRIES):
             if not self._layout.buckets0:
                 yield from self._probe_op()
             (reply,) = yield Round([Call("promote", keys, self._layout.args())])
             if reply != [scripts.STALE]:
                 live._layout = self._layout
-                self._layout = fmt.UNKNOWN_LAYOUT
+                self._layout = UNKNOWN_LAYOUT
                 return True
-            self._layout = fmt.UNKNOWN_LAYOUT
+            self._layout = UNKNOWN_LAYOUT
         raise GuardError(f"{self.name}: layout kept changing during promote", filter=self.name)
 
 

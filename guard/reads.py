@@ -29,8 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from guard import hashing
-from guard import layout as fmt
-from guard.layout import Layout
+from guard.layout import HEADER_BYTES, TAG_BYTES, Layout
 
 MAX_GETS = 2000
 _U64 = 1 << 64
@@ -131,7 +130,7 @@ def _per_subfilter(layout: Layout) -> tuple[_Subfilter, ...]:
             _Subfilter(
                 reads,
                 int.from_bytes(layout.tag(n), "big", signed=True),
-                ("GET", "i64", (layout.string_bytes(n) - fmt.TAG_BYTES) * 8),
+                ("GET", "i64", (layout.string_bytes(n) - TAG_BYTES) * 8),
                 layout.buckets(n),
                 max(1, (MAX_GETS - 1) // (2 * len(reads.parts))),
             )
@@ -155,7 +154,7 @@ class ReadPlan:
             self._plan_scalar(hashes, key)
 
     def _plan_scalar(self, hashes: Sequence[tuple[int, int]], key: Callable[[int], str]) -> None:
-        f0, b, base = self.layout.fp_bits, self.layout.bucket_size, fmt.HEADER_BYTES * 8
+        f0, b, base = self.layout.fp_bits, self.layout.bucket_size, HEADER_BYTES * 8
         items = []  # (h, fixed g, the mix giving the alternate bucket in every sub-filter)
         for h, g in hashes:
             g = hashing.fix_g(g, f0)
@@ -187,8 +186,8 @@ class ReadPlan:
             parts = len(reads.parts)
             offsets = np.empty((self.count, 2, parts), dtype=np.int64)
             for j, (first, _, _) in enumerate(reads.parts):
-                offsets[:, 0, j] = fmt.HEADER_BYTES * 8 + (i1 * b + first) * f
-                offsets[:, 1, j] = fmt.HEADER_BYTES * 8 + (i2 * b + first) * f
+                offsets[:, 0, j] = HEADER_BYTES * 8 + (i1 * b + first) * f
+                offsets[:, 1, j] = HEADER_BYTES * 8 + (i2 * b + first) * f
             unit = reads.gets(0) * 2  # one item's reads; its offsets are placeholders
             flat = unit * self.count
             flat[2::3] = offsets.ravel().tolist()

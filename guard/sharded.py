@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Self
 
-from guard import layout as fmt
 from guard.errors import (
     FilterCorruptError,
     FilterExistsError,
@@ -30,6 +29,7 @@ from guard.errors import (
 from guard.facade import AsyncHandle, SyncHandle
 from guard.filter import FilterInfo, FilterOps
 from guard.hashing import shard_of, to_bytes
+from guard.layout import MAX_SHARDS, Stored, pack_header, probe_reads, unpack_header, verify_stored
 from guard.names import DEFAULT_PREFIX, STAGING
 from guard.ops import MAX_RETRIES, Command, Op, Round, lockstep
 from guard.params import FilterParams, Limit
@@ -57,7 +57,7 @@ def shard_capacity(capacity: int, shards: int) -> int:
     return min(capacity, math.ceil(share + 4 * math.sqrt(share)))
 
 
-SHARDS = Limit(1, fmt.MAX_SHARDS)
+SHARDS = Limit(1, MAX_SHARDS)
 
 
 class ShardedOps:
@@ -124,7 +124,7 @@ class ShardedOps:
             i: Round(
                 [
                     Command("EXISTS", [h.key(0)]),
-                    *(Command(*read) for read in fmt.probe_reads(h.key(0))),
+                    *(Command(*read) for read in probe_reads(h.key(0))),
                     Command("EXISTS", [h.key(1)]),
                 ],
                 atomic=True,
@@ -141,9 +141,9 @@ class ShardedOps:
             raise FilterNotFoundError(f"{self.name}: no such filter", filter=self.name)
         seeds, recorded = set(), set()
         for i in present:
-            stored = fmt.Stored(self.key(i), *answers[i][1:4])
-            seeds.add(fmt.verify_stored(self.name, [stored]).seed)
-            recorded.add(fmt.unpack_header(stored.header).shards)
+            stored = Stored(self.key(i), *answers[i][1:4])
+            seeds.add(verify_stored(self.name, [stored]).seed)
+            recorded.add(unpack_header(stored.header).shards)
         if len(recorded) > 1:
             raise FilterCorruptError(self.name, f"the shards record shard counts {recorded}")
         if recorded != {self.shards}:
@@ -258,7 +258,7 @@ class ShardedOps:
         per_shard = replace(params, capacity=shard_capacity(params.capacity, self.shards))
         layout = replace(per_shard, seed=seed).layout()  # one seed (and layout) for all shards
         self._seed = layout.seed
-        header = fmt.pack_header(layout, per_shard.capacity, params.error_rate, self.shards)
+        header = pack_header(layout, per_shard.capacity, params.error_rate, self.shards)
         results = yield from self._fan(
             {i: h._create_op(layout, header) for i, h in enumerate(self._handles)}
         )

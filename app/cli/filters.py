@@ -28,6 +28,7 @@ from app.cli.common import (
     RedisUrl,
     cli,
     console,
+    err_console,
     refuse_records_filter,
     settings,
     sync_redis,
@@ -39,10 +40,10 @@ from guard import (
     ShardedFilterInfo,
     SyncCuckooFilter,
     SyncShardedCuckooFilter,
-    list_filters_sync,
     list_sharded_filters_sync,
 )
 from guard.dump import export_filter, import_filter, validate_dump
+from guard.listing import read_filters_sync
 from guard.params import DEFAULTS, FIELDS, FilterParams
 
 Name = Annotated[str, typer.Argument(help="Filter name (1-64 of A-Z a-z 0-9 _ . -).")]
@@ -160,22 +161,11 @@ def _as_json(info: FilterInfo) -> dict[str, Any]:
 def list_(redis_url: RedisUrl = None, prefix: Prefix = None, as_json: AsJson = False) -> None:
     """List the filters (plain and sharded) under the key prefix."""
     cfg = settings(redis_url=redis_url, key_prefix=prefix)
-    infos: list[FilterInfo] = []
     with sync_redis(cfg) as redis:
-        handles: list[SyncCuckooFilter | SyncShardedCuckooFilter] = [
-            SyncCuckooFilter(redis, name, cfg.key_prefix)
-            for name in list_filters_sync(redis, cfg.key_prefix)
-        ]
-        handles += [
-            SyncShardedCuckooFilter(redis, name, cfg.key_prefix, shards=shards)
-            for name, shards in list_sharded_filters_sync(redis, cfg.key_prefix).items()
-        ]
-        for handle in handles:
-            try:
-                infos.append(handle.info())
-            except GuardError:
-                continue  # dropped meanwhile
-    infos.sort(key=lambda i: i.name)
+        report = read_filters_sync(redis, cfg.key_prefix)
+    infos = report.infos
+    if report.damaged:  # not in the list, but not hidden either
+        err_console.print(f"damaged (drop or rebuild): {', '.join(report.damaged)}", markup=False)
     if as_json:
         console.print_json(json.dumps([_as_json(i) for i in infos]))
         return
