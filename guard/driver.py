@@ -1,14 +1,11 @@
 """Running operations on a client: written once, sent by a blocking or an asyncio redis-py client.
 
-An operation is a generator that does no I/O (guard/filter.py, guard/sharded.py): it yields a
-``Round`` of calls, or a ``Batch`` of rounds (one per shard, or per operation of a pipeline),
-and is sent the replies back; a round that failed is thrown back into it. ``transport`` does
-everything between that and a client: it sends a lone call by itself and several in one
-pipeline, re-sends as EVAL a script a SCRIPT FLUSH unloaded, turns script errors into the
-library's exceptions and splits a batch's replies per round. What it yields are the few sends a
-client can make (``Send``, ``SendPipeline``, ``SendEval``, ``Parallel``); ``SyncRunner`` and
-``AsyncRunner`` make them, with or without ``await``, and are all that differs between the two
-client flavours.
+An operation (guard/ops.py) does no I/O: it yields rounds of calls and is sent the replies.
+``transport`` does everything between that and a client: it sends a lone call by itself and
+several in one pipeline, re-sends as EVAL a script a SCRIPT FLUSH unloaded, turns script errors
+into the library's exceptions and splits a batch's replies per round. What it yields are the
+few sends a client can make (``Send``, ``SendPipeline``, ``Parallel``); ``SyncRunner`` and
+``AsyncRunner`` make them, with or without ``await``: all that differs between the two flavours.
 """
 
 from __future__ import annotations
@@ -30,15 +27,11 @@ T = TypeVar("T")
 
 
 class Send(NamedTuple):
-    """One call by itself (a script through its Script object, which reloads on NOSCRIPT)."""
+    """One call by itself (a script through its Script object, which reloads on NOSCRIPT),
+    or as EVAL (EVAL_RO) when ``as_eval``: the source travels with it, so it cannot miss."""
 
     call: Call | Command
-
-
-class SendEval(NamedTuple):
-    """A script as EVAL (EVAL_RO): the source travels with it, so it cannot miss."""
-
-    call: Call
+    as_eval: bool = False
 
 
 class SendPipeline(NamedTuple):
@@ -55,7 +48,7 @@ class Parallel(NamedTuple):
     parts: list[Generator[Any, Any, Any]]
 
 
-Transport: TypeAlias = Generator[Send | SendEval | SendPipeline | Parallel, Any, T]
+Transport: TypeAlias = Generator[Send | SendPipeline | Parallel, Any, T]
 
 
 def transport(op: Op[T], name: str) -> Transport[T]:
@@ -86,63 +79,9 @@ def _round(rnd: Round, name: str) -> Transport[list[Any]]:
         try:
             return [(yield Send(call))]
         except NoScriptError:  # flushed again between redis-py's reload and its retry
-            assert isinstance(call, Call)
-            return [(yield SendEval(call))]
+            return [(yield Send(call, as_eval=True))]
     except ResponseError as exc:
         raise scripts.map_error(exc, name) from exc
-
-
-def _batch(batch: Batch, name: str) -> Transport[dict[Any, Any]]:
-    """Every round of ``batch``: the plain ones share one pipeline (on a cluster, redis-py
-    writes each node's share before reading any reply, so the nodes work in parallel); each
-    MULTI goes alone, since a cluster cannot run one across slots. A read sent by several
-    operations at once (each probing the same handle) goes once."""
-    same: dict[Any, Any] = {}  # a round's key -> the key of the identical read sent instead
-    reads: dict[Hashable, Any] = {}
-    for k, rnd in batch.items():
-        if all(isinstance(c, Command) or c.read_only for c in rnd.calls):
-            sent = reads.setdefault(_read_key(rnd), k)
-            if sent != k:
-                same[k] = sent
-    keys = [k for k in batch if k not in same]
-    shared = [k for k in keys if not batch[k].atomic]
-    if len(shared) < 2:
-        shared = []
-    alone = [k for k in keys if k not in shared]
-    parts = [_round(batch[k], name) for k in alone]
-    if shared:
-        parts.append(_pipelined([batch[k] for k in shared], name))
-    done = yield Parallel(parts)
-    answers = dict(zip(alone, done, strict=False))
-    if shared:
-        together = done[-1]
-        for n, k in enumerate(shared):
-            answers[k] = together if isinstance(together, Exception) else together[n]
-    for k, sent in same.items():
-        answer = answers[sent]
-        answers[k] = answer if isinstance(answer, Exception) else list(answer)
-    return answers
-
-
-def _read_key(rnd: Round) -> Hashable:
-    return rnd.atomic, tuple(
-        tuple(tuple(f) if isinstance(f, list) else f for f in call) for call in rnd.calls
-    )
-
-
-def _pipelined(rounds: list[Round], name: str) -> Transport[list[Any]]:
-    """Several rounds in one pipeline: each round's replies, or the exception it raised."""
-    replies = yield from _sent([c for rnd in rounds for c in rnd.calls], False, name)
-    out: list[Any] = []
-    start = 0
-    for rnd in rounds:
-        part = replies[start : start + len(rnd.calls)]
-        start += len(rnd.calls)
-        try:
-            out.append(_raise_first_error(part, name))
-        except Exception as exc:
-            out.append(exc)
-    return out
 
 
 def _sent(calls: list[Call | Command], atomic: bool, name: str) -> Transport[list[Any]]:
@@ -153,16 +92,56 @@ def _sent(calls: list[Call | Command], atomic: bool, name: str) -> Transport[lis
         raise scripts.map_error(exc, name) from exc
     # A SCRIPT FLUSH between the pipeline's script preload and its execution (or a cluster
     # pipeline, which preloads nothing): those calls did nothing, so they alone are sent
-    # again, as EVAL, which cannot miss.
+    # again, as EVAL.
     for k, reply in enumerate(replies):
         if isinstance(reply, NoScriptError):
-            call = calls[k]
-            assert isinstance(call, Call)
             try:
-                replies[k] = yield SendEval(call)
+                replies[k] = yield Send(calls[k], as_eval=True)
             except ResponseError as exc:
                 replies[k] = exc
     return replies
+
+
+def _batch(batch: Batch, name: str) -> Transport[dict[Any, Any]]:
+    """Every round of ``batch``: the plain ones share one pipeline (on a cluster, redis-py
+    writes each node's share before reading any reply, so the nodes work in parallel); each
+    MULTI goes alone, since a cluster cannot run one across slots. A read that several
+    operations send at once (each probing the same handle) goes once."""
+    same: dict[Any, Any] = {}  # a round's key -> the key of the identical read sent instead
+    reads: dict[Hashable, Any] = {}
+    for k, rnd in batch.items():
+        if all(isinstance(c, Command) or c.read_only for c in rnd.calls):
+            key = rnd.atomic, tuple(tuple(map(_frozen, c)) for c in rnd.calls)
+            if reads.setdefault(key, k) != k:
+                same[k] = reads[key]
+    keys = [k for k in batch if k not in same]
+    shared = [k for k in keys if not batch[k].atomic]
+    shared = shared if len(shared) > 1 else []
+    alone = [k for k in keys if k not in shared]
+    parts = [_round(batch[k], name) for k in alone]
+    if shared:
+        parts.append(_sent([c for k in shared for c in batch[k].calls], False, name))
+    done = yield Parallel(parts)
+    answers = dict(zip(alone, done, strict=False))
+    if shared:
+        replies, start = done[-1], 0
+        for k in shared:
+            count = len(batch[k].calls)
+            try:
+                if isinstance(replies, Exception):
+                    raise replies
+                answers[k] = _raise_first_error(replies[start : start + count], name)
+            except Exception as exc:
+                answers[k] = exc
+            start += count
+    for k, sent in same.items():
+        answer = answers[sent]
+        answers[k] = answer if isinstance(answer, Exception) else list(answer)
+    return answers
+
+
+def _frozen(field: Any) -> Hashable:
+    return tuple(field) if isinstance(field, list) else field
 
 
 def _raise_first_error(replies: list[Any], name: str) -> list[Any]:
@@ -215,12 +194,10 @@ class _Runner:
         return scripts.register(self.redis)
 
     def _target(
-        self, send: Send | SendEval | SendPipeline
+        self, send: Send | SendPipeline
     ) -> tuple[Callable[..., Any], list[Any], dict[str, Any]]:
         """What to call for ``send`` (the runner calls it, awaiting it or not), and how."""
         client = self.redis
-        if isinstance(send, SendEval):
-            return client.execute_command, _eval_args(send.call), {}
         if isinstance(send, SendPipeline):
             pipe = client.pipeline(transaction=send.atomic)
             _queue(send.calls, self._scripts, pipe)
@@ -228,6 +205,8 @@ class _Runner:
         call = send.call
         if isinstance(call, Command):
             return client.execute_command, [call.name, *call.args], {}
+        if send.as_eval:
+            return client.execute_command, _eval_args(call), {}
         if call.read_only:
             return client.execute_command, _evalsha_args(call, self._scripts), {}
         return (
@@ -256,7 +235,7 @@ class SyncRunner(_Runner):
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
-    def _send(self, send: Send | SendEval | SendPipeline | Parallel) -> Any:
+    def _send(self, send: Send | SendPipeline | Parallel) -> Any:
         if not isinstance(send, Parallel):
             function, args, kwargs = self._target(send)
             return function(*args, **kwargs)
@@ -288,7 +267,7 @@ class AsyncRunner(_Runner):
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
-    async def _send(self, send: Send | SendEval | SendPipeline | Parallel) -> Any:
+    async def _send(self, send: Send | SendPipeline | Parallel) -> Any:
         if isinstance(send, Parallel):
             return await asyncio.gather(
                 *(self._drive(p) for p in send.parts), return_exceptions=True
