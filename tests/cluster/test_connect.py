@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -77,6 +79,36 @@ class TestClients:
         await client.aclose()
 
 
+@contextmanager
+def a_busy_server() -> Iterator[tuple[str, Callable[[], Any]]]:
+    """A redis-server of the test's own (a busy script blocks every client of a server), and
+    a way to hold it busy for 2 s."""
+    server = RedisProcess.start()
+    busy = redis.Redis.from_url(server.url)
+    try:
+        yield server.url, lambda: busy.eval(SPIN_2S, 0)
+    finally:
+        busy.close()
+        server.stop()
+
+
+def assert_timed_out_delete_runs_once(client: Any, spin: Callable[[], Any]) -> None:
+    """``client``'s socket timeout is 0.5 s: a delete sent while Redis is busy times out."""
+    cf = SyncCuckooFilter(client, "f", prefix="t:")
+    cf.reserve(100)
+    cf.insert_many(["a", "a", "b"])
+    cf.delete("b")  # loads the script: a first EVALSHA would fail NOSCRIPT
+    blocker = threading.Thread(target=spin)
+    blocker.start()
+    time.sleep(0.3)
+    try:
+        with pytest.raises(redis.TimeoutError):
+            cf.delete("a")  # queued behind the script, which holds Redis for 2 s
+    finally:
+        blocker.join()
+    assert cf.count("a") == 1  # it ran when the script ended, and only once
+
+
 class TestNoRetryAfterTimeout:
     """A script that timed out may still run: connect() must not send it a second time.
 
@@ -95,27 +127,12 @@ class TestNoRetryAfterTimeout:
         assert mine.get_retry() is None
 
     def test_a_timed_out_delete_runs_once(self) -> None:
-        server = RedisProcess.start()  # its own: a busy script blocks every client of a server
-        busy = redis.Redis.from_url(server.url)
-        client = connect(server.url, socket_timeout=0.5)
-        try:
-            cf = SyncCuckooFilter(client, "f", prefix="t:")
-            cf.reserve(100)
-            cf.insert_many(["a", "a", "b"])
-            cf.delete("b")  # loads the script: a first EVALSHA would fail NOSCRIPT
-            blocker = threading.Thread(target=busy.eval, args=(SPIN_2S, 0))
-            blocker.start()
-            time.sleep(0.3)
+        with a_busy_server() as (url, spin):
+            client = connect(url, socket_timeout=0.5)
             try:
-                with pytest.raises(redis.TimeoutError):
-                    cf.delete("a")  # queued behind the script, which holds Redis for 2 s
+                assert_timed_out_delete_runs_once(client, spin)
             finally:
-                blocker.join()
-            assert cf.count("a") == 1  # it ran when the script ended, and only once
-        finally:
-            client.close()
-            busy.close()
-            server.stop()
+                client.close()
 
 
 class TestCliClient:
@@ -123,26 +140,11 @@ class TestCliClient:
 
     def test_a_timed_out_delete_runs_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(common, "COMMAND_TIMEOUT_S", 0.5)
-        server = RedisProcess.start()  # its own: a busy script blocks every client of a server
-        busy = redis.Redis.from_url(server.url)
-        try:
-            with common.sync_redis(common.settings(redis_url=server.url)) as client:
-                cf = SyncCuckooFilter(client, "f", prefix="t:")
-                cf.reserve(100)
-                cf.insert_many(["a", "a", "b"])
-                cf.delete("b")  # loads the script: a first EVALSHA would fail NOSCRIPT
-                blocker = threading.Thread(target=busy.eval, args=(SPIN_2S, 0))
-                blocker.start()
-                time.sleep(0.3)
-                try:
-                    with pytest.raises(redis.TimeoutError):
-                        cf.delete("a")  # queued behind the script, which holds Redis for 2 s
-                finally:
-                    blocker.join()
-                assert cf.count("a") == 1  # it ran when the script ended, and only once
-        finally:
-            busy.close()
-            server.stop()
+        with (
+            a_busy_server() as (url, spin),
+            common.sync_redis(common.settings(redis_url=url)) as client,
+        ):
+            assert_timed_out_delete_runs_once(client, spin)
 
     def test_a_cluster_url_opens_a_cluster(self, cluster: LocalCluster) -> None:
         with common.sync_redis(common.settings(redis_url=cluster.url)) as client:
