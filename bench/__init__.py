@@ -1,1 +1,1 @@
-"""Benchmarks of the guard library against a real Redis server (``python -m bench core``)."""
+"""Benchmarks of cuckoo-guard on real Redis: ``python -m bench <suite>`` (bench/suites.py)."""

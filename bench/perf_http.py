@@ -23,61 +23,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.redis_server import free_port
+from devkit.processes import HttpProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # The service's own flags (docs/service.md): one worker, uvloop, httptools.
 UVICORN_FLAGS = ["--workers", "1", "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
 
 
-@dataclass
-class Server:
-    """One uvicorn process on a free loopback port; stopped by its PID."""
-
-    name: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def get_json(self, path: str) -> Any:
-        with urllib.request.urlopen(self.base + path, timeout=30) as resp:
-            return json.loads(resp.read())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_uvicorn(name: str, target: str, env: dict[str, str], ready: str, workdir: Path) -> Server:
+def start_uvicorn(
+    name: str, target: str, env: dict[str, str], ready: str, workdir: Path
+) -> HttpProcess:
+    """``uvicorn <target> --factory`` with the service's flags, its log in ``workdir``."""
     port = free_port()
-    log = workdir / f"{name}.log"
     cmd = [sys.executable, "-m", "uvicorn", target, "--factory", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *UVICORN_FLAGS, "--log-level", "warning"]
     full_env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT)
-    server = Server(name, port, proc, log)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(server.base + ready, timeout=2) as resp:
-                if resp.status == 200:
-                    return server
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            server.stop()
-            raise RuntimeError(f"{name} did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.2)
+    try:
+        return HttpProcess.start(
+            cmd, port=port, env=full_env, ready=ready, log=workdir / f"{name}.log",
+            timeout=60, cwd=REPO,
+        )  # fmt: skip
+    except RuntimeError as exc:
+        raise RuntimeError(f"{name} did not start: {exc}") from None
+
+
+def get_json(server: HttpProcess, path: str) -> Any:
+    with urllib.request.urlopen(server.url + path, timeout=30) as resp:
+        return json.loads(resp.read())
 
 
 # -- wrk ----------------------------------------------------------------------------------------
@@ -108,6 +80,7 @@ end
 
 @dataclass(frozen=True)
 class WrkCase:
+    key: str  # what the report looks the route up by
     name: str
     server: str  # key into the running servers
     path_fmt: str  # "/records/absent-%d"
@@ -119,6 +92,7 @@ class WrkCase:
 
 @dataclass(frozen=True)
 class WrkResult:
+    key: str
     name: str
     connections: int
     requests: int
@@ -128,14 +102,23 @@ class WrkResult:
     p50_ms: float
     p99_ms: float
     load: str  # 1-minute load average when the run started
+    batching: str = ""  # "on" / "off" in the auto-batching table
 
     @property
     def rps(self) -> float:
         return self.requests / self.seconds
 
+    @property
+    def label(self) -> str:
+        return f"{self.name} [batching {self.batching}]" if self.batching else self.name
+
+
+def wrk_path() -> str | None:
+    return shutil.which("wrk")
+
 
 def have_wrk() -> bool:
-    return shutil.which("wrk") is not None
+    return wrk_path() is not None
 
 
 def run_wrk(case: WrkCase, base: str, seconds: int, seed: int, workdir: Path) -> WrkResult:
@@ -151,6 +134,7 @@ def run_wrk(case: WrkCase, base: str, seconds: int, seed: int, workdir: Path) ->
     line = next(x for x in out.stdout.splitlines() if x.startswith("WRKJSON "))
     data = json.loads(line.removeprefix("WRKJSON "))
     return WrkResult(
+        case.key,
         case.name,
         case.connections,
         data["requests"],

@@ -43,7 +43,7 @@ def server_cost(rows: list[Any], path: Path) -> None:
 
 def http(results: dict[str, list[Any]], path: Path) -> None:
     rows = results["main"] + results["batching"]
-    labels = [f"{w.name} (c={w.connections})" for w in rows]
+    labels = [f"{w.label} (c={w.connections})" for w in rows]
     fig, (rps, p99) = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
     rps.barh(labels, [w.rps for w in rows], color="C0")
     rps.set_xlabel("requests/s")
@@ -115,7 +115,8 @@ def scaling(rows: list[Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write(results: dict[str, Any], ctx: Any, folder: Path) -> None:
+def write(results: dict[str, Any], folder: Path) -> None:
+    """Every figure whose section was measured, into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     if results.get("server_cost"):
         server_cost(results["server_cost"], folder / COST_PNG)

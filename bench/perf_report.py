@@ -7,19 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import core, perf
-from bench.report import n, pct, table
-
-
-def f2(x: float) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
-
-
-def verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("**met**" if ok else "**NOT met**")
+from bench.markdown import f2, n, pct, table, verdict
+from bench.suite import Measured, environment_table, generated_by
 
 
 @dataclass(frozen=True)
 class Check:
+    key: str  # what the headline table picks the check by
     what: str
     ours: str
     against: str
@@ -32,26 +26,38 @@ class Check:
 # -- server cost -------------------------------------------------------------------------------
 
 
-def cost_by_name(rows: list[perf.Cost]) -> dict[str, perf.Cost]:
-    return {r.name: r for r in rows}
+# The checks README.md's headline table shows, in the order the report lists them.
+HEADLINE = (
+    "lookup_vs_cf_exists",
+    "lookup_many_vs_cf_mexists",
+    "insert_90_vs_cf_add",
+    "lookup_many_100_vs_cf_mexists",
+    "lookup_pipelined_vs_get",
+    "http_blocked_vs_get",
+    "http_item_vs_get",
+    "batching_gain_check",
+    "batching_gain_blocked",
+    "batching_p99_item",
+    "batching_p99_blocked",
+    "attack_db_queries",
+    "attack_legit_p99",
+)
 
 
-def first(rows: dict[str, Any], prefix: str) -> Any:
-    return next((v for k, v in rows.items() if k.startswith(prefix)), None)
+def by_key(rows: list[Any]) -> dict[str, Any]:
+    return {r.key: r for r in rows}
 
 
 def cf_costs(rows: list[perf.Cost]) -> dict[str, tuple[float, str]]:
     """CF.* usec: measured live, or the issue's figures scaled by GET now / GET then."""
-    by = cost_by_name(rows)
-    get_now = by["GET"].usec_per_call
+    by = by_key(rows)
+    get_now = by["get"].usec_per_call
     scale = get_now / perf.REF_USEC["GET"]
-    live = "CF.EXISTS" in by
-    if live:
-        mexists = first(by, "CF.MEXISTS")
+    if "cf_exists" in by:
         return {
-            "CF.EXISTS": (by["CF.EXISTS"].usec_per_call, "measured"),
-            "CF.MEXISTS/item": (mexists.usec_per_item, "measured"),
-            "CF.ADD 90%": (by["CF.ADD at 90 % load"].usec_per_call, "measured"),
+            "CF.EXISTS": (by["cf_exists"].usec_per_call, "measured"),
+            "CF.MEXISTS/item": (by["cf_mexists"].usec_per_item, "measured"),
+            "CF.ADD 90%": (by["cf_add_90"].usec_per_call, "measured"),
         }
     est = f"estimate: reference x {scale:.2f} (GET {get_now:.3f} us now / 0.06 us then)"
     return {
@@ -67,21 +73,27 @@ def cf_costs(rows: list[perf.Cost]) -> dict[str, tuple[float, str]]:
 
 
 def cost_checks(rows: list[perf.Cost]) -> list[Check]:
-    by = cost_by_name(rows)
+    by = by_key(rows)
     cf = cf_costs(rows)
-    lookup = first(by, "lookup (")
-    many = first(by, "lookup_many")
-    ins90 = by["insert at 90 % load"]
+    lookup, many, ins90 = by["lookup"], by["lookup_many"], by["insert_90"]
     out = []
-    for what, ours, key, target in (
-        ("lookup, server us per call", lookup.usec_per_call, "CF.EXISTS", perf.T_LOOKUP_VS_CF),
+    for check, what, ours, key, target in (
         (
+            "lookup_vs_cf_exists",
+            "lookup, server us per call",
+            lookup.usec_per_call,
+            "CF.EXISTS",
+            perf.T_LOOKUP_VS_CF,
+        ),
+        (
+            "lookup_many_vs_cf_mexists",
             "batched lookup, server us per item",
             many.usec_per_item,
             "CF.MEXISTS/item",
             perf.T_MLOOKUP_VS_MEXISTS,
         ),
         (
+            "insert_90_vs_cf_add",
             "insert at 90 % load, server us per call",
             ins90.usec_per_call,
             "CF.ADD 90%",
@@ -92,6 +104,7 @@ def cost_checks(rows: list[perf.Cost]) -> list[Check]:
         ratio = ours / base
         out.append(
             Check(
+                check,
                 what,
                 f"{ours:.3f} us",
                 f"{key} {base:.3f} us ({how})",
@@ -101,9 +114,16 @@ def cost_checks(rows: list[perf.Cost]) -> list[Check]:
             )
         )
     # The same, against the issue's figures as quoted (no scaling).
-    for what, ours, ref, target in (
-        ("lookup vs quoted CF.EXISTS 0.23 us", lookup.usec_per_call, 0.23, perf.T_LOOKUP_VS_CF),
+    for check, what, ours, ref, target in (
         (
+            "lookup_vs_quoted_cf_exists",
+            "lookup vs quoted CF.EXISTS 0.23 us",
+            lookup.usec_per_call,
+            0.23,
+            perf.T_LOOKUP_VS_CF,
+        ),
+        (
+            "lookup_many_vs_quoted_cf_mexists",
             "batched lookup vs quoted CF.MEXISTS 0.068 us/item",
             many.usec_per_item,
             0.068,
@@ -113,6 +133,7 @@ def cost_checks(rows: list[perf.Cost]) -> list[Check]:
         ratio = ours / ref
         out.append(
             Check(
+                check,
                 what,
                 f"{ours:.3f} us",
                 f"{ref} us (quoted)",
@@ -156,12 +177,12 @@ def cost_table(rows: list[perf.Cost]) -> str:
 
 
 def reference_table(rows: list[perf.Cost]) -> str:
-    by = cost_by_name(rows)
-    scale = by["GET"].usec_per_call / perf.REF_USEC["GET"]
+    by = by_key(rows)
+    scale = by["get"].usec_per_call / perf.REF_USEC["GET"]
     live = {
-        "GET": by["GET"].usec_per_call,
-        "EVALSHA `return 1`": by["EVALSHA `return 1`"].usec_per_call,
-        "BITFIELD_RO, both buckets": first(by, "lookup (").usec_per_call,
+        "GET": by["get"].usec_per_call,
+        "EVALSHA `return 1`": by["evalsha"].usec_per_call,
+        "BITFIELD_RO, both buckets": by["lookup"].usec_per_call,
     }
     body = []
     for name, ref in perf.REF_USEC.items():
@@ -175,54 +196,54 @@ def reference_table(rows: list[perf.Cost]) -> str:
 # -- throughput ----------------------------------------------------------------------------------
 
 
-def tput_checks(rows: list[core.Throughput], redisbloom: bool) -> list[Check]:
-    by = {t.name: t for t in rows}
-    get = first(by, "GET, pipelines of 100 (sync)").per_second
+def tput_checks(rows: list[core.Throughput]) -> list[Check]:
+    by = by_key(rows)
+    get = by["get_sync"].per_second
     out = []
-    mex = first(by, "CF.MEXISTS")
-    if mex is not None:
-        mex_rate, how = mex.per_second, "measured"
+    if "cf_mexists_100" in by:
+        mex_rate, how = by["cf_mexists_100"].per_second, "measured"
     else:
         mex_rate = perf.REF_RATE["CF.MEXISTS x100"] * get / perf.REF_RATE["GET pipelined"]
         how = f"estimate: 540k x (GET {get:,.0f}/s now / 160k then)"
-    for t in rows:
-        if t.name.startswith("lookup_many"):
-            ratio = t.per_second / mex_rate
-            out.append(
-                Check(
-                    t.name,
-                    f"{t.per_second:,.0f} items/s",
-                    f"CF.MEXISTS x100 {mex_rate:,.0f} items/s ({how})",
-                    ratio,
-                    f">= {perf.T_LOOKUP_MANY_VS_MEXISTS}x",
-                    ratio >= perf.T_LOOKUP_MANY_VS_MEXISTS,
-                )
+    for t in (by[k] for k in ("lookup_many_100", "lookup_many_1000") if k in by):
+        ratio = t.per_second / mex_rate
+        out.append(
+            Check(
+                f"{t.key}_vs_cf_mexists",
+                t.name,
+                f"{t.per_second:,.0f} items/s",
+                f"CF.MEXISTS x100 {mex_rate:,.0f} items/s ({how})",
+                ratio,
+                f">= {perf.T_LOOKUP_MANY_VS_MEXISTS}x",
+                ratio >= perf.T_LOOKUP_MANY_VS_MEXISTS,
             )
-    aget = first(by, "GET, pipelines of 100 (asyncio)")
-    for t in rows:
-        if t.name.startswith("single lookups") or t.name.startswith("cf.lookup()"):
-            # An asyncio handle is held to GET pipelined through the same asyncio client:
-            # redis.asyncio itself runs at about half the blocking client's rate.
-            against, base = f"pipelined GET (sync) {get:,.0f}/s", get
-            if t.name.startswith("cf.lookup()") and aget is not None:
-                base = aget.per_second
-                against = f"pipelined GET (asyncio) {base:,.0f}/s; sync {get:,.0f}/s"
-            ratio = t.per_second / base
-            out.append(
-                Check(
-                    t.name,
-                    f"{t.per_second:,.0f} items/s",
-                    against,
-                    ratio,
-                    f">= {perf.T_PIPELINED_VS_GET}x",
-                    ratio >= perf.T_PIPELINED_VS_GET,
-                )
+        )
+    aget = by.get("get_asyncio")
+    single = ("lookup_pipelined", "lookup_asyncio_on", "lookup_asyncio_off")
+    for t in (by[k] for k in single if k in by):
+        # An asyncio handle is held to GET pipelined through the same asyncio client:
+        # redis.asyncio itself runs at about half the blocking client's rate.
+        against, base = f"pipelined GET (sync) {get:,.0f}/s", get
+        if t.key != "lookup_pipelined" and aget is not None:
+            base = aget.per_second
+            against = f"pipelined GET (asyncio) {base:,.0f}/s; sync {get:,.0f}/s"
+        ratio = t.per_second / base
+        out.append(
+            Check(
+                f"{t.key}_vs_get",
+                t.name,
+                f"{t.per_second:,.0f} items/s",
+                against,
+                ratio,
+                f">= {perf.T_PIPELINED_VS_GET}x",
+                ratio >= perf.T_PIPELINED_VS_GET,
             )
+        )
     return out
 
 
 def tput_table(rows: list[core.Throughput]) -> str:
-    get = first({t.name: t for t in rows}, "GET, pipelines of 100 (sync)").per_second
+    get = by_key(rows)["get_sync"].per_second
     body = [[t.name, n(t.items), f"{t.per_second:,.0f}", f"{t.per_second / get:.2f}"] for t in rows]
     return table(["operation", "items", "items/s", "ratio to pipelined GET (sync)"], body)
 
@@ -234,7 +255,7 @@ def http_table(rows: list[Any], base_rps: float | None = None) -> str:
     body = []
     for w in rows:
         row = [
-            w.name,
+            w.label,
             w.connections,
             f"{w.rps:,.0f}",
             f"{w.p50_ms:.2f}",
@@ -261,9 +282,9 @@ def http_table(rows: list[Any], base_rps: float | None = None) -> str:
     return table(headers, body)
 
 
-def noise_note(main: list[Any], ctx: perf.Ctx) -> str:
+def noise_note(main: list[Any], redisbloom: bool) -> str:
     """With RedisBloom absent both baselines do one GET: their ratio is the run's noise floor."""
-    if ctx.redisbloom or len(main) < 2:
+    if redisbloom or len(main) < 2:
         return ""
     a, b = main[0], main[1]
     return (
@@ -274,18 +295,17 @@ def noise_note(main: list[Any], ctx: perf.Ctx) -> str:
 
 
 def http_checks(http: dict[str, list[Any]]) -> list[Check]:
-    main = {w.name: w for w in http["main"]}
-    base = main["baseline: FastAPI + one Redis GET"].rps
+    main = by_key(http["main"])
+    base = main["baseline_get"].rps
     out = []
-    for name, target in (
-        ("GET /records/{absent} (blocked)", perf.T_BLOCKED_VS_GET),
-        ("GET /filters/{name}/items/{item}", perf.T_ITEM_VS_GET),
-    ):
-        ratio = main[name].rps / base
+    for key, target in (("blocked", perf.T_BLOCKED_VS_GET), ("item", perf.T_ITEM_VS_GET)):
+        w = main[key]
+        ratio = w.rps / base
         out.append(
             Check(
-                f"HTTP {name}, 32 connections",
-                f"{main[name].rps:,.0f} req/s",
+                f"http_{key}_vs_get",
+                f"HTTP {w.name}, 32 connections",
+                f"{w.rps:,.0f} req/s",
                 f"GET baseline {base:,.0f} req/s",
                 ratio,
                 f">= {target}x",
@@ -294,9 +314,8 @@ def http_checks(http: dict[str, list[Any]]) -> list[Check]:
         )
     pairs: dict[tuple[str, int], dict[str, Any]] = {}
     for w in http["batching"]:
-        route, mode = w.name.removesuffix("]").rsplit(" [batching ", 1)
-        pairs.setdefault((route, w.connections), {})[mode] = w
-    for (route, c), modes in pairs.items():
+        pairs.setdefault((w.key, w.connections), {})[w.batching] = w
+    for (key, c), modes in pairs.items():
         if "on" not in modes or "off" not in modes:
             continue
         on, off = modes["on"], modes["off"]
@@ -304,7 +323,8 @@ def http_checks(http: dict[str, list[Any]]) -> list[Check]:
             ratio = on.rps / off.rps
             out.append(
                 Check(
-                    f"auto-batching gain, {route}, {c} connections",
+                    f"batching_gain_{key}",
+                    f"auto-batching gain, {on.name}, {c} connections",
                     f"{on.rps:,.0f} req/s",
                     f"no batching {off.rps:,.0f} req/s",
                     ratio,
@@ -316,6 +336,7 @@ def http_checks(http: dict[str, list[Any]]) -> list[Check]:
         ratio = low.on_p99_ms / low.off_p99_ms
         out.append(
             Check(
+                f"batching_p99_{low.key}",
                 f"auto-batching p99 at low load, {low.route}, 1 connection",
                 f"{low.on_p99_ms:.3f} ms",
                 f"no batching {low.off_p99_ms:.3f} ms",
@@ -347,13 +368,13 @@ def low_load_table(rows: list[perf.LowLoad]) -> str:
 
 
 def attack_checks(a: perf.AttackResult) -> list[Check]:
-    runs = {r.name: r for r in a.runs}
-    mixed = runs["guard: attack + 10 % legitimate"]
-    alone = runs["guard: legitimate reads alone"]
+    runs = by_key(a.runs)
+    mixed, alone = runs["guard_attack"], runs["guard_alone"]
     allowed = perf.T_ATTACK_FP * a.theory_fpr * mixed.attack
     ratio_p99 = mixed.legit_p99_ms / alone.legit_p99_ms
     return [
         Check(
+            "attack_db_queries",
             "attack: database queries with the guard",
             f"{mixed.db_queries}",
             f"{perf.T_ATTACK_FP} x {a.theory_fpr:.2e} x {n(mixed.attack)} = {allowed:.1f}",
@@ -362,6 +383,7 @@ def attack_checks(a: perf.AttackResult) -> list[Check]:
             mixed.db_queries <= allowed,
         ),
         Check(
+            "attack_legit_p99",
             "attack: legitimate p99 under attack vs alone (guard)",
             f"{mixed.legit_p99_ms:.2f} ms",
             f"{alone.legit_p99_ms:.2f} ms",
@@ -521,12 +543,12 @@ def scaling_note(rows: list[perf.ScaleRow]) -> str:
 # -- the document ------------------------------------------------------------------------------
 
 
-def all_checks(results: dict[str, Any], ctx: perf.Ctx) -> list[Check]:
+def all_checks(results: dict[str, Any]) -> list[Check]:
     out: list[Check] = []
     if results.get("server_cost"):
         out += cost_checks(results["server_cost"])
     if results.get("throughput"):
-        out += tput_checks(results["throughput"], ctx.redisbloom)
+        out += tput_checks(results["throughput"])
     if results.get("http"):
         out += http_checks(results["http"])
     if results.get("attack"):
@@ -534,100 +556,66 @@ def all_checks(results: dict[str, Any], ctx: perf.Ctx) -> list[Check]:
     return out
 
 
-def checks_table(checks: list[Check]) -> str:
-    return table(
-        ["target", "cuckoo-guard", "against", "ratio", "target", "verdict"],
-        [
-            [
-                c.what,
-                c.ours,
-                c.against,
-                f2(c.ratio) if c.ratio is not None else "-",
-                c.target,
-                verdict(c.ok),
-            ]
-            for c in checks
-        ],
+def checks_table(checks: list[Check], headers: list[str]) -> str:
+    rows = [[c.what, c.ours, c.against, f2(c.ratio), c.target, verdict(c.ok)] for c in checks]
+    return table(headers, rows)
+
+
+def targets(results: dict[str, Any]) -> str:
+    headers = ["target", "cuckoo-guard", "against", "ratio", "target", "verdict"]
+    return checks_table(all_checks(results), headers)
+
+
+def headline(results: dict[str, Any]) -> str:
+    """The short table README.md shows: the checks named in HEADLINE."""
+    checks = [c for c in all_checks(results) if c.key in HEADLINE]
+    return checks_table(
+        checks, ["what", "cuckoo-guard", "against (same run)", "ratio", "target", ""]
     )
 
 
-def section(name: str, result: Any, ctx: perf.Ctx) -> str:
+def http_section(result: dict[str, list[Any]]) -> str:
+    text = http_table(result["main"], by_key(result["main"])["baseline_get"].rps) + "\n\n"
+    text += http_table(result["batching"])
+    if result.get("low_load"):
+        text += "\n\n" + low_load_table(result["low_load"])
+    return text
+
+
+RENDER = {
+    "server_cost": lambda rows: cost_table(rows) + "\n\n" + reference_table(rows),
+    "throughput": tput_table,
+    "http": http_section,
+    "attack": attack_table,
+    "accuracy": accuracy_table,
+    "scaling": scaling_table,
+}
+
+
+def section(name: str, result: Any) -> str:
+    """A section as printed while the run goes on."""
     if result is None:
         return f"## {name}: skipped"
-    if name == "server_cost":
-        return "## server cost\n" + cost_table(result) + "\n\n" + reference_table(result)
-    if name == "throughput":
-        return "## throughput\n" + tput_table(result)
-    if name == "http":
-        base = {w.name: w for w in result["main"]}["baseline: FastAPI + one Redis GET"].rps
-        text = "## http\n" + http_table(result["main"], base) + "\n\n"
-        text += http_table(result["batching"])
-        if result.get("low_load"):
-            text += "\n\n" + low_load_table(result["low_load"])
-        return text
-    if name == "attack":
-        return "## attack\n" + attack_table(result)
-    if name == "accuracy":
-        return "## accuracy\n" + accuracy_table(result)
-    if name == "scaling":
-        return "## scaling\n" + scaling_table(result)
-    return f"## {name}\n{result}"
+    return f"## {name.replace('_', ' ')}\n" + RENDER[name](result)
 
 
-def summary(results: dict[str, Any], ctx: perf.Ctx) -> str:
-    return "## targets\n" + checks_table(all_checks(results, ctx))
+def summary(results: dict[str, Any]) -> str:
+    return "## targets\n" + targets(results)
 
 
-def headline(results: dict[str, Any], ctx: perf.Ctx) -> str:
-    """The short table README.md shows."""
-    rows = []
-    for c in all_checks(results, ctx):
-        if "quoted" in c.what or "cf.lookup()" in c.what or "batches of 1000" in c.what:
-            continue
-        rows.append(
-            [
-                c.what,
-                c.ours,
-                c.against,
-                f2(c.ratio) if c.ratio is not None else "-",
-                c.target,
-                verdict(c.ok),
-            ]
-        )
-    return table(["what", "cuckoo-guard", "against (same run)", "ratio", "target", ""], rows)
+def document(m: Measured, *, env: dict[str, str], redisbloom: bool) -> str:
+    from bench import perf_plots  # matplotlib only when a report is written
 
-
-def document(
-    results: dict[str, Any], ctx: perf.Ctx, env: dict[str, str], *, quick: bool, total: float
-) -> str:
-    from bench import perf_plots
-
-    env_rows = [[k, v] for k, v in env.items()]
-    env_rows.append(
-        [
-            "RedisBloom",
-            "loaded: CF.* measured live"
-            if ctx.redisbloom
-            else "not loaded (MODULE LIST): CF.* figures are the issue's, scaled by GET "
-            "(estimates)",
-        ]
-    )
-    env_rows.append(
-        ["load average per section", "; ".join(f"{k} {v}" for k, v in ctx.loads.items())]
-    )
-    env_rows.append(
-        ["seconds per section", ", ".join(f"{k} {v:.0f}" for k, v in ctx.seconds.items())]
-    )
+    results = m.results
     parts = [
         "# Benchmarks: what a guard costs per request and per key",
         "",
-        f"Generated by `python -m bench perf{' --quick' if quick else ''}` in {total:.0f} s. "
-        "Do not edit by hand: rerun it. Every target is a ratio of two figures measured side "
+        generated_by("perf", m) + " Every target is a ratio of two figures measured side "
         "by side in this run; absolute numbers drift on this shared 2-core machine.",
         "",
         "## Targets",
         "",
-        checks_table(all_checks(results, ctx)),
+        targets(results),
         "",
         "## How to reproduce",
         "",
@@ -648,7 +636,14 @@ def document(
         "",
         "## Environment",
         "",
-        table(["", ""], env_rows),
+        environment_table(
+            env,
+            m,
+            RedisBloom="loaded: CF.* measured live"
+            if redisbloom
+            else "not loaded (MODULE LIST): CF.* figures are the issue's, scaled by GET "
+            "(estimates)",
+        ),
     ]
     if results.get("server_cost"):
         parts += [
@@ -689,7 +684,7 @@ def document(
         ]
     if results.get("http"):
         http = results["http"]
-        base = {w.name: w for w in http["main"]}["baseline: FastAPI + one Redis GET"].rps
+        base = by_key(http["main"])["baseline_get"].rps
         parts += [
             "",
             "## HTTP, one uvicorn worker",
@@ -704,7 +699,7 @@ def document(
             f"(the {n(perf.LEGIT_KEYS)} keys were read once before timing). The issue's reference: "
             "bare FastAPI ~4.0k req/s, FastAPI + one Redis GET ~1.9k req/s.",
             "",
-            noise_note(http["main"], ctx),
+            noise_note(http["main"], redisbloom),
             "",
             "### Auto-batching",
             "",
@@ -776,5 +771,5 @@ def document(
             "",
             f"![scaling](img/{perf_plots.SCALING_PNG})",
         ]
-    parts += ["", "## README headline table", "", headline(results, ctx), ""]
+    parts += ["", "## README headline table", "", headline(results), ""]
     return "\n".join(parts)

@@ -15,14 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from guard import scripts
 from guard.errors import ChangeSourceError, FilterFullError, GuardError, InvalidParameterError
 from guard.hashing import item_hash, to_bytes
-from guard.layout import APPLIED_AT, MAX_CHANGE_ID, MAX_SOURCE, TAG_BYTES, Layout, unpack_header
+from guard.layout import (
+    APPLIED_AT,
+    MAX_CHANGE_ID,
+    MAX_SOURCE,
+    TAG_BYTES,
+    Layout,
+    Stored,
+    unpack_header,
+)
 from guard.ops import (
     INSERT_CHUNK,
     KICK_BUDGET,
@@ -35,8 +43,19 @@ from guard.ops import (
 )
 from guard.params import Limit
 
-if TYPE_CHECKING:  # the handles have these operations (guard/filter.py imports this module)
-    from guard.filter import FilterOps
+
+class FilterOps(Protocol):
+    """What these operations use of a filter's (guard/filter.py: FilterOps, whose handles
+    have them as methods, so it imports this module and not the other way round)."""
+
+    name: str
+    _layout: Layout
+    _read_command: str
+
+    def key(self, n: int = 0) -> str: ...
+    def _keys(self, count: int) -> list[str]: ...
+    def _adopt(self, reply: list[Any]) -> bool: ...
+    def _probe_op(self) -> Op[list[Stored]]: ...
 
 
 class Change(NamedTuple):

@@ -20,12 +20,9 @@ from guard.hashing import to_bytes
 from guard.ops import Op, lockstep
 from guard.params import FilterParams
 
-if TYPE_CHECKING:
-    from guard.filter import FilterInfo
-
 P = ParamSpec("P")
 T = TypeVar("T")
-InfoT = TypeVar("InfoT", bound="FilterInfo")
+InfoT = TypeVar("InfoT")  # what info() and reserve() return: FilterInfo or ShardedFilterInfo
 
 
 class operation(Generic[P, T]):

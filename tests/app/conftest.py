@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 import redis.asyncio as aioredis
 from asgi_lifespan import LifespanManager
 
@@ -24,8 +23,8 @@ from app.db import SQLiteDatabase
 from app.main import create_app
 from app.records import RecordStore
 from app.settings import Settings
-from tests.keys import cleanup
-from tests.redis_server import RedisProcess, real_redis
+from devkit.keys import delete_prefixed_at
+from devkit.redis_server import RedisProcess, shared_or_private_redis
 
 BACKENDS = ["redis", "fakeredis"]
 API_KEY = "test-key"
@@ -34,7 +33,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="session")
 def app_redis_url() -> Iterator[str]:
-    with real_redis("GUARD_TEST_APP_REDIS_URL", "redis://127.0.0.1:6379/14") as url:
+    with shared_or_private_redis("GUARD_TEST_APP_REDIS_URL", "redis://127.0.0.1:6379/14") as url:
         yield url
 
 
@@ -100,9 +99,7 @@ def make_settings(
 
     yield make
     if backend == "redis":
-        client = redis.Redis.from_url(url)
-        cleanup(client, prefix)
-        client.close()
+        delete_prefixed_at(url, prefix)
 
 
 StartService = Callable[..., Awaitable[Service]]

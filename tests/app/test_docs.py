@@ -12,11 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
-from app.cli.service import stop_process, wait_healthy
-from tests.keys import cleanup
-from tests.redis_server import free_port
+from devkit.keys import delete_prefixed_at
+from devkit.processes import HttpProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "service.md"
@@ -44,22 +42,17 @@ def server(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> Iter
         "GUARD_API_KEY": API_KEY,
         "GUARD_DEMO_RECORDS": "100",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    argv = [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1",
+            "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    app = HttpProcess.start(
+        argv, port=port, env=env, log=tmp_path / "uvicorn.log", timeout=20, cwd=ROOT
+    )
     try:
-        wait_healthy(
-            proc, f"http://127.0.0.1:{port}", 20, lambda: proc.stderr.read().decode()
-        )  # fmt: skip
         yield f"127.0.0.1:{port}"
     finally:
-        stop_process(proc)
+        app.stop()
         if backend == "redis":
-            client = redis.Redis.from_url(redis_url)
-            cleanup(client, prefix)
-            client.close()
+            delete_prefixed_at(redis_url, prefix)
 
 
 def test_doc_has_an_example_for_every_route() -> None:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from app.settings import Settings
 from guard import CuckooFilter
-from tests import collide
+from tests import colliding_items
 from tests.app.conftest import AUTH, Service, StartService
 
 INFO_FIELDS = {
@@ -558,8 +558,8 @@ class TestCollidingItemsAreNeverLost:
     @pytest.fixture
     async def pair(self, svc: Service) -> tuple[str, str]:
         cf = CuckooFilter(svc.redis, "users", svc.settings.key_prefix)
-        await cf.reserve(collide.CAPACITY, **collide.PARAMS)
-        return collide.colliding_pair()
+        await cf.reserve(colliding_items.CAPACITY, **colliding_items.PARAMS)
+        return colliding_items.colliding_pair()
 
     async def test_put_put_delete(self, svc: Service, pair: tuple[str, str]) -> None:
         x, y = pair

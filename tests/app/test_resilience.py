@@ -11,6 +11,8 @@ from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.errors import error_response
+from devkit.processes import free_port
+from devkit.redis_server import RedisProcess
 from guard import (
     FilterCorruptError,
     FilterExistsError,
@@ -19,7 +21,6 @@ from guard import (
     InvalidParameterError,
 )
 from tests.app.conftest import AUTH, StartService
-from tests.redis_server import RedisProcess, free_port
 
 # A Redis that is down is a real socket that refuses: these run on the "redis" backend only.
 real_socket = pytest.mark.parametrize("backend", ["redis"])

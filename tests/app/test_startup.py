@@ -14,9 +14,9 @@ from pydantic import SecretStr
 from app.deps import NAME_PATTERN
 from app.main import create_app
 from app.settings import Settings
+from devkit.processes import free_port
 from tests.app.conftest import AUTH, Service, StartService
-from tests.redis_server import free_port
-from tests.served import clean_env, run_module
+from tests.guard_process import clean_env, run_module
 
 
 class TestSettings:

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from tests.keys import cleanup
-from tests.redis_server import real_redis
+from devkit.keys import delete_prefixed_at
+from devkit.redis_server import shared_or_private_redis
 
 
 @pytest.fixture(scope="session")
 def cli_redis_url() -> Iterator[str]:
-    with real_redis("GUARD_TEST_CLI_REDIS_URL", "redis://127.0.0.1:6379/11") as url:
+    with shared_or_private_redis("GUARD_TEST_CLI_REDIS_URL", "redis://127.0.0.1:6379/11") as url:
         yield url
 
 
@@ -27,9 +27,7 @@ def cli_env(cli_redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[dic
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     yield env
-    client = redis.Redis.from_url(cli_redis_url)
-    cleanup(client, prefix)
-    client.close()
+    delete_prefixed_at(cli_redis_url, prefix)
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.settings import Settings
+from devkit.processes import free_port
 from guard import SyncCuckooFilter, SyncShardedCuckooFilter
-from tests import collide
-from tests.redis_server import free_port
-from tests.served import clean_env, run_module
+from tests import colliding_items
+from tests.guard_process import clean_env, run_module
 
 runner = CliRunner()
 COMMANDS = ["serve", "demo", "attack", "create", "info", "list", "check", "drop", "load", "export",
@@ -139,9 +139,9 @@ class TestLoad:
     ) -> None:
         """Every line is a copy: of two items with one fingerprint and bucket pair, deleting
         one (as DELETE /filters/{name}/items/{item} would) leaves the other found."""
-        x, y = collide.colliding_pair()
+        x, y = colliding_items.colliding_pair()
         cf = SyncCuckooFilter(cli_redis, "pair", cli_env["GUARD_KEY_PREFIX"])
-        cf.reserve(collide.CAPACITY, **collide.PARAMS)
+        cf.reserve(colliding_items.CAPACITY, **colliding_items.PARAMS)
         path = tmp_path / "items.txt"
         path.write_text(f"{x}\n{y}\n")
         code, out, err = guard("load", "pair", str(path))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.served import clean_env, guard_serve, run_module
+from tests.guard_process import clean_env, guard_serve, run_module
 
 ROOT = Path(__file__).resolve().parents[2]
 

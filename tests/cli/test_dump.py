@@ -12,9 +12,9 @@ import fakeredis
 import pytest
 import redis
 
+from devkit.keys import delete_prefixed
 from guard import SyncCuckooFilter
 from guard.dump import DumpError, export_filter, import_filter, validate_dump
-from tests.keys import cleanup
 
 
 @pytest.fixture(params=["redis", "fakeredis"])
@@ -31,7 +31,7 @@ def client(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
 def prefix(client: redis.Redis) -> Iterator[str]:
     p = f"test:dump:{uuid.uuid4().hex[:12]}:"
     yield p
-    cleanup(client, p)
+    delete_prefixed(client, p)
 
 
 def make(client: redis.Redis, prefix: str, name: str, n: int) -> SyncCuckooFilter:

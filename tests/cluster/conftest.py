@@ -12,9 +12,9 @@ import pytest
 import redis.asyncio.cluster as aiocluster
 from redis.cluster import RedisCluster
 
+from devkit.cluster import LocalCluster
+from devkit.keys import acleaned_up, cleaned_up
 from guard.connect import connect, connect_async
-from tests.cluster.server import LocalCluster
-from tests.keys import acleanup, cleanup
 
 
 @pytest.fixture(scope="session")
@@ -28,22 +28,14 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture
 def sync_redis(cluster: LocalCluster, prefix: str) -> Iterator[RedisCluster]:
-    client = connect(cluster.url)
-    try:
+    with cleaned_up(connect(cluster.url), prefix) as client:
         yield client
-    finally:
-        cleanup(client, prefix)
-        client.close()
 
 
 @pytest.fixture
 async def async_redis(cluster: LocalCluster, prefix: str) -> AsyncIterator[aiocluster.RedisCluster]:
-    client = connect_async(cluster.url)
-    try:
+    async with acleaned_up(connect_async(cluster.url), prefix) as client:
         yield client
-    finally:
-        await acleanup(client, prefix)
-        await client.aclose()
 
 
 @pytest.fixture

@@ -17,11 +17,12 @@ from typer.testing import CliRunner
 
 from app.cli import common
 from app.cli.common import cli
+from devkit.cluster import LocalCluster
+from devkit.keys import delete_prefixed
+from devkit.redis_server import RedisProcess
 from guard import InvalidParameterError, SyncCuckooFilter
 from guard.connect import connect, connect_async, is_cluster_url, split_cluster_url
-from tests.cluster.server import LocalCluster
-from tests.keys import cleanup
-from tests.redis_server import SPIN_2S, RedisProcess
+from tests.redis_faults import HOLD_SERVER_2S
 
 
 class TestParsing:
@@ -86,7 +87,7 @@ def a_busy_server() -> Iterator[tuple[str, Callable[[], Any]]]:
     server = RedisProcess.start()
     busy = redis.Redis.from_url(server.url)
     try:
-        yield server.url, lambda: busy.eval(SPIN_2S, 0)
+        yield server.url, lambda: busy.eval(HOLD_SERVER_2S, 0)
     finally:
         busy.close()
         server.stop()
@@ -169,5 +170,5 @@ class TestCliClient:
             assert {"a", "b", "c"} <= set(result.stdout.replace('"', " ").split())
         finally:
             client = connect(cluster.url)
-            cleanup(client, prefix)
+            delete_prefixed(client, prefix)
             client.close()

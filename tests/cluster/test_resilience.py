@@ -11,9 +11,9 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from devkit.cluster import LocalCluster
 from guard import SyncShardedCuckooFilter
 from guard.connect import connect
-from tests.cluster.server import LocalCluster
 
 
 def items(n: int, tag: str = "k") -> list[str]:

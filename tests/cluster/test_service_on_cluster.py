@@ -14,8 +14,8 @@ from redis.cluster import RedisCluster
 
 from app.main import create_app
 from app.settings import Settings
-from tests.cluster.server import LocalCluster
-from tests.keys import cleanup
+from devkit.cluster import LocalCluster
+from devkit.keys import delete_prefixed
 
 AUTH = {"Authorization": "Bearer test-key"}
 
@@ -60,4 +60,4 @@ async def test_service_runs_on_a_cluster(
                 blocked = await client.get("/records/no-such-key")
                 assert (blocked.status_code, blocked.headers["X-Guard"]) == (404, "blocked")
     finally:
-        cleanup(sync_redis, prefix)
+        delete_prefixed(sync_redis, prefix)

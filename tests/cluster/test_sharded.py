@@ -11,6 +11,7 @@ import pytest
 import redis.asyncio.cluster as aiocluster
 from redis.cluster import RedisCluster
 
+from devkit.keys import delete_prefixed
 from guard import (
     FilterExistsError,
     FilterFullError,
@@ -25,7 +26,6 @@ from guard import (
 )
 from guard.hashing import item_hash, shard_of
 from guard.sharded import shard_capacity
-from tests.keys import cleanup
 
 
 def items(n: int, tag: str = "k") -> list[str]:
@@ -224,8 +224,8 @@ class TestOnCluster:
 
 
 def test_cleanup_helper_is_shared(sync_redis: RedisCluster, prefix: str) -> None:
-    """tests/keys.py deletes keys of many slots at once (redis-py splits the DEL)."""
+    """devkit/keys.py deletes keys of many slots at once (redis-py splits the DEL)."""
     for i in range(10):
         sync_redis.set(f"{prefix}{{t{i}}}", 1)
-    cleanup(sync_redis, prefix)
+    delete_prefixed(sync_redis, prefix)
     assert list(sync_redis.scan_iter(match=f"{prefix}*")) == []

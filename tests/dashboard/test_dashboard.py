@@ -22,7 +22,7 @@ from asgi_lifespan import LifespanManager
 from app.main import create_app
 from app.routes.dashboard import HISTORY_SECONDS, History, sample
 from app.settings import Settings
-from tests.served import clean_env, guard_serve
+from tests.guard_process import clean_env, guard_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = "install it: apt-get install -y chromium chromium-driver"

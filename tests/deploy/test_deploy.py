@@ -18,14 +18,14 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 import typer
 import yaml
 
 from app.cli import cli
 from app.settings import Settings
-from tests.keys import cleanup
-from tests.redis_server import RedisProcess, free_port, reachable
+from devkit.keys import delete_prefixed_at
+from devkit.processes import free_port
+from devkit.redis_server import RedisProcess, reachable
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {f"GUARD_{name.upper()}" for name in Settings.model_fields}
@@ -243,6 +243,4 @@ def test_compose_commands_run(redis_url: str, tmp_path: Path, image_env: Path) -
     finally:
         proc.terminate()
         proc.wait(timeout=20)
-        client = redis.Redis.from_url(redis_url)
-        cleanup(client, prefix)
-        client.close()
+        delete_prefixed_at(redis_url, prefix)

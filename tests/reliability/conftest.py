@@ -19,8 +19,8 @@ from asgi_lifespan import LifespanManager
 
 from app.main import create_app
 from app.settings import Settings
-from tests.keys import cleanup
-from tests.reliability.service import API_KEY
+from devkit.keys import cleaned_up
+from devkit.service import API_KEY
 
 
 @dataclass
@@ -43,7 +43,7 @@ StartApp = Callable[..., Awaitable[InProcess]]
 async def start_app(real_redis_url: str, prefix: str, tmp_path: Path) -> AsyncIterator[StartApp]:
     """`await start_app(**settings)`: an app on the real Redis under this test's prefix."""
     stack = AsyncExitStack()
-    plain = redis.Redis.from_url(real_redis_url)
+    plain = stack.enter_context(cleaned_up(redis.Redis.from_url(real_redis_url), prefix))
 
     async def run(**overrides: Any) -> InProcess:
         values: dict[str, Any] = {
@@ -66,9 +66,5 @@ async def start_app(real_redis_url: str, prefix: str, tmp_path: Path) -> AsyncIt
         )
         return InProcess(client, settings, plain)
 
-    try:
-        async with stack:
-            yield run
-    finally:
-        cleanup(plain, prefix)
-        plain.close()
+    async with stack:
+        yield run

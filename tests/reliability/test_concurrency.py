@@ -5,23 +5,23 @@ from __future__ import annotations
 import pytest
 import redis
 
-from bench import reliability
+from devkit import churn
 
 pytestmark = pytest.mark.realredis
 
 
 class TestCrossProcessChurn:
-    """bench/reliability.py's workers, at a size that runs in seconds."""
+    """devkit/churn.py's workers (`python -m bench reliability`), at a size that runs in seconds."""
 
     def test_no_false_negative_and_exact_count(
         self, real_redis_url: str, real_redis: redis.Redis, prefix: str
     ) -> None:
         """Every live item is found after every mutation; items == inserts - deletes."""
         capacity = 3000
-        plan = reliability.make_plan(
+        plan = churn.make_plan(
             real_redis_url, capacity, workers=8, ops=800, target_load=0.93, prefix=prefix
         )
-        result = reliability.run(plan, capacity)
+        result = churn.run(plan, capacity)
         assert result.failures() == []
         assert result.total("false_negatives") == 0 and result.total("missed_deletes") == 0
         assert result.info["items"] == result.expected_items

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import pytest
 import redis
 
+from devkit.service import AUTH
 from tests.reliability.conftest import InProcess, StartApp
-from tests.reliability.service import AUTH
 
 pytestmark = pytest.mark.realredis
 

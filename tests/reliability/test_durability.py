@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from devkit.processes import free_port
+from devkit.redis_server import RedisProcess
 from guard import SyncCuckooFilter
-from tests.redis_server import RedisProcess, free_port
 
 pytestmark = pytest.mark.realredis
 

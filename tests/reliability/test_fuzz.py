@@ -15,18 +15,16 @@ import schemathesis
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import status_code_conformance
 
-from tests.redis_server import RedisProcess
-from tests.reliability.service import AUTH, Uvicorn
+from devkit.redis_server import RedisProcess
+from devkit.service import AUTH, KEY_PREFIX, start_service
 
 pytestmark = pytest.mark.realredis
-
-PREFIX = "rel:"  # Uvicorn's GUARD_KEY_PREFIX
 
 
 class Fuzzed:
     def __init__(self, tmp: Path) -> None:
         self.redis = RedisProcess.start()
-        self.app = Uvicorn.start(
+        self.app = start_service(
             tmp, self.redis.url, max_capacity="100000", max_body_bytes="65536"
         )  # small limits: a generated capacity must not allocate gigabytes
         self.statuses: dict[int, int] = {}
@@ -40,7 +38,9 @@ def fuzzed() -> Iterator[Fuzzed]:
             yield f
             # Whatever was sent, every key written is under the service's prefix.
             client = redis.Redis(port=f.redis.port)
-            stray = [k for k in client.scan_iter(count=1000) if not k.startswith(PREFIX.encode())]
+            stray = [
+                k for k in client.scan_iter(count=1000) if not k.startswith(KEY_PREFIX.encode())
+            ]
             client.close()
             assert stray == []
         finally:

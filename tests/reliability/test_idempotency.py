@@ -18,10 +18,12 @@ import pytest
 import redis
 
 from app.idempotency import IN_DOUBT_AFTER_S
+from devkit.processes import HttpProcess
+from devkit.redis_server import RedisProcess
+from devkit.service import AUTH, start_service
 from guard import CuckooFilter
-from tests.redis_server import SPIN_2S, RedisProcess
+from tests.redis_faults import HOLD_SERVER_2S
 from tests.reliability.conftest import StartApp
-from tests.reliability.service import AUTH, Uvicorn
 
 pytestmark = pytest.mark.realredis
 
@@ -29,11 +31,11 @@ ITEMS = [f"item-{i}" for i in range(3000)]  # a batch that takes a moment to app
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[Uvicorn]:
+def served() -> Iterator[HttpProcess]:
     with tempfile.TemporaryDirectory(prefix="guard-idem-") as tmp:
         server = RedisProcess.start()
         # redis_timeout 2 s: the machine is busy, and this test is not about timeouts.
-        app = Uvicorn.start(Path(tmp), server.url, redis_timeout="2")
+        app = start_service(Path(tmp), server.url, redis_timeout="2")
         try:
             yield app
         finally:
@@ -41,7 +43,7 @@ def served() -> Iterator[Uvicorn]:
             server.stop()
 
 
-def send_and_hang_up(app: Uvicorn, method: str, path: str, body: object, idem_key: str) -> None:
+def send_and_hang_up(app: HttpProcess, method: str, path: str, body: object, idem_key: str) -> None:
     """Send a whole request on a raw socket and close it without reading a byte of the answer."""
     payload = json.dumps(body).encode()
     head = (
@@ -54,13 +56,13 @@ def send_and_hang_up(app: Uvicorn, method: str, path: str, body: object, idem_ke
         s.shutdown(socket.SHUT_WR)  # the request is complete; nobody reads the answer
 
 
-def items_in(app: Uvicorn, name: str) -> int:
+def items_in(app: HttpProcess, name: str) -> int:
     r = httpx.get(f"{app.url}/filters/{name}", timeout=10)
     assert r.status_code == 200, r.text
     return int(r.json()["items"])
 
 
-def wait_for_items(app: Uvicorn, name: str, expected: int, within: float = 20.0) -> None:
+def wait_for_items(app: HttpProcess, name: str, expected: int, within: float = 20.0) -> None:
     # Generous: two busy cores; the first attempt runs on after the client hung up.
     deadline = time.monotonic() + within
     while items_in(app, name) != expected:
@@ -71,7 +73,7 @@ def wait_for_items(app: Uvicorn, name: str, expected: int, within: float = 20.0)
 class TestLostAnswer:
     """The client hangs up before reading the answer, then retries with the same key."""
 
-    def test_add_then_delete_apply_once(self, served: Uvicorn) -> None:
+    def test_add_then_delete_apply_once(self, served: HttpProcess) -> None:
         name = "lost-raw"
         url = f"{served.url}/filters/{name}"
         assert httpx.put(url, json={"capacity": 10_000}, headers=AUTH).status_code == 201
@@ -95,7 +97,7 @@ class TestLostAnswer:
         assert info["items"] == len(ITEMS) - len(gone) and info["missed_deletes"] == 0
 
     @pytest.mark.parametrize("op", ["add", "delete"])
-    def test_client_timeout_then_retries(self, served: Uvicorn, op: str) -> None:
+    def test_client_timeout_then_retries(self, served: HttpProcess, op: str) -> None:
         """httpx gives up after 1 ms (the request may or may not have been applied); the
         client retries until it gets an answer: the filter changed exactly once."""
         name = f"lost-timeout-{op}"
@@ -185,7 +187,7 @@ class TestNoAnswerFromRedis:
         async def delete_behind_a_busy_script(self: CuckooFilter, items: list[str]) -> list[bool]:
             # A 2-second script holds Redis; the delete queues behind it, the service stops
             # waiting after 0.5 s, and Redis runs the delete when the script ends.
-            blocker = threading.Thread(target=busy.eval, args=(SPIN_2S, 0))
+            blocker = threading.Thread(target=busy.eval, args=(HOLD_SERVER_2S, 0))
             blocker.start()
             await asyncio.sleep(0.3)
             try:

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
+from devkit.service import AUTH
 from tests.reliability.conftest import StartApp
-from tests.reliability.service import AUTH
 
 pytestmark = pytest.mark.realredis
 

@@ -14,8 +14,8 @@ from asgi_lifespan import LifespanManager
 
 from app.main import create_app
 from app.settings import Settings
-from tests.redis_server import RedisProcess
-from tests.reliability.service import API_KEY, AUTH
+from devkit.redis_server import RedisProcess
+from devkit.service import API_KEY, AUTH
 
 pytestmark = pytest.mark.realredis
 

@@ -17,16 +17,9 @@ import pytest
 import redis
 from redis.asyncio.connection import AbstractConnection
 
+from devkit.outage import TIMEOUT, Load, Sample, Stack, outage, recovery_seconds
+from devkit.service import AUTH
 from tests.reliability.conftest import StartApp
-from tests.reliability.service import (
-    AUTH,
-    TIMEOUT,
-    Load,
-    Sample,
-    Stack,
-    outage,
-    recovery_seconds,
-)
 
 pytestmark = pytest.mark.realredis
 

@@ -15,9 +15,10 @@ from pydantic import SecretStr
 
 from app.main import create_app, weak_api_key
 from app.settings import Settings
-from tests.redis_server import RedisProcess, free_port
+from devkit.processes import free_port
+from devkit.redis_server import RedisProcess
+from devkit.service import API_KEY, AUTH, start_service
 from tests.reliability.conftest import StartApp
-from tests.reliability.service import API_KEY, AUTH, Uvicorn
 
 pytestmark = pytest.mark.realredis
 
@@ -95,7 +96,7 @@ class TestKeyNeverLogged:
         """A real server's whole output, access log included, while Redis goes away."""
         with tempfile.TemporaryDirectory(prefix="guard-sec-") as tmp:
             server = RedisProcess.start()
-            app = Uvicorn.start(Path(tmp), server.url)
+            app = start_service(Path(tmp), server.url)
             try:
                 with httpx.Client(base_url=app.url, timeout=10) as c:
                     c.put("/filters/f", json={"capacity": 10}, headers=AUTH)

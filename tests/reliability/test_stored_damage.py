@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from devkit.keys import delete_prefixed
 from guard import (
     Change,
     ChangeSourceError,
@@ -37,7 +38,6 @@ from guard import (
 )
 from guard import layout as fmt
 from guard.dump import export_filter
-from tests.keys import cleanup
 
 # name: (reserve parameters, items inserted, shards or 0)
 GEOMETRIES: dict[str, tuple[dict[str, Any], int, int]] = {
@@ -332,7 +332,7 @@ def test_damaged_filter_raises_or_answers_right(
     finally:
         loop.run_until_complete(client.aclose())
         loop.close()
-        cleanup(sync_redis, prefix)
+        delete_prefixed(sync_redis, prefix)
 
 
 # The instances of project issue #13: (byte offset, bytes written over sub-filter 0's header).

