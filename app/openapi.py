@@ -64,6 +64,9 @@ DAMAGED = _doc(
     " drop it, or rebuild it; retrying does not help",
 )
 COMMON: Responses = {**INVALID, **UNAVAILABLE, **DAMAGED}
+# What every route that changes a filter may answer (an API key, a filter that may be missing
+# or managed, a Redis that may not answer in time).
+CHANGE: Responses = {**UNAUTHORIZED, **NOT_FOUND, **CONFLICT, **COMMON, **IN_DOUBT}
 
 
 # ---- filter parameters, from guard's FilterParams -----------------------------------------

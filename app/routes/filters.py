@@ -168,13 +168,7 @@ async def get(cf: FilterDep) -> Any:
     "/{name}",
     status_code=204,
     dependencies=[Auth],
-    responses={
-        **openapi.UNAUTHORIZED,
-        **openapi.NOT_FOUND,
-        **openapi.CONFLICT,
-        **openapi.COMMON,
-        **openapi.IN_DOUBT,
-    },
+    responses={**openapi.CHANGE},
 )
 async def drop(cf: AdminFilterDep) -> Response:
     """Delete a filter and everything in it."""
@@ -191,15 +185,7 @@ async def drop(cf: AdminFilterDep) -> Response:
     "/{name}/add",
     response_model=Results,
     dependencies=[Auth],
-    responses={
-        **openapi.UNAUTHORIZED,
-        **openapi.NOT_FOUND,
-        **openapi.CONFLICT,
-        **openapi.TOO_LARGE,
-        **openapi.FULL,
-        **openapi.COMMON,
-        **openapi.IN_DOUBT,
-    },
+    responses={**openapi.CHANGE, **openapi.TOO_LARGE, **openapi.FULL},
 )
 async def add(
     body: ItemsIn,
@@ -238,14 +224,7 @@ async def check(body: ItemsIn, cf: FilterDep, settings: SettingsDep) -> Any:
     "/{name}/delete",
     response_model=Results,
     dependencies=[Auth],
-    responses={
-        **openapi.UNAUTHORIZED,
-        **openapi.NOT_FOUND,
-        **openapi.CONFLICT,
-        **openapi.TOO_LARGE,
-        **openapi.COMMON,
-        **openapi.IN_DOUBT,
-    },
+    responses={**openapi.CHANGE, **openapi.TOO_LARGE},
 )
 async def delete_items(
     body: ItemsIn,
@@ -270,13 +249,7 @@ async def delete_items(
     "/{name}/rebuild",
     response_model=FilterInfo,
     dependencies=[Auth],
-    responses={
-        **openapi.UNAUTHORIZED,
-        **openapi.NOT_FOUND,
-        **openapi.CONFLICT,
-        **openapi.COMMON,
-        **openapi.IN_DOUBT,
-    },
+    responses={**openapi.CHANGE},
 )
 async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
     """Rebuild a table-backed filter from its table, swapping it in atomically. 409 for a
@@ -299,14 +272,7 @@ async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
     status_code=201,
     response_model=Added,
     dependencies=[Auth],
-    responses={
-        **openapi.UNAUTHORIZED,
-        **openapi.NOT_FOUND,
-        **openapi.CONFLICT,
-        **openapi.FULL,
-        **openapi.COMMON,
-        **openapi.IN_DOUBT,
-    },
+    responses={**openapi.CHANGE, **openapi.FULL},
 )
 async def put_item(
     item: ItemPath,
@@ -350,13 +316,7 @@ async def get_item(item: ItemPath, name: FilterName, request: Request) -> Any:
     "/{name}/items/{item:path}",
     response_model=Deleted,
     dependencies=[Auth],
-    responses={
-        **openapi.UNAUTHORIZED,
-        **openapi.NOT_FOUND,
-        **openapi.CONFLICT,
-        **openapi.COMMON,
-        **openapi.IN_DOUBT,
-    },
+    responses={**openapi.CHANGE},
 )
 async def delete_item(
     item: ItemPath,
