@@ -13,10 +13,11 @@ from app.db import Database
 from app.errors import BadInput, Conflict
 from app.idempotency import Idempotency
 from app.metrics import Metrics
+from app.openapi import LIMIT_KEY
 from app.records import RecordStore
 from app.settings import Settings
 from guard import CuckooFilter
-from guard.filter import NAME_PATTERN as FILTER_NAME
+from guard.names import NAME_PATTERN as FILTER_NAME
 
 NAME_PATTERN = FILTER_NAME.pattern  # the library's own rule, so the 422 and the library agree
 
@@ -71,6 +72,8 @@ DbDep = Annotated[Database, Depends(get_db)]
 RecordsDep = Annotated[RecordStore, Depends(get_records)]
 IdempotencyDep = Annotated[Idempotency, Depends(get_idempotency)]
 FilterName = Annotated[str, Path(pattern=NAME_PATTERN, description="Filter name")]
+# An item (or record key) in the path; check_item enforces what the schema states.
+ItemPath = Annotated[str, Path(json_schema_extra={LIMIT_KEY: "item"})]
 
 
 class FilterHandles:

@@ -38,7 +38,7 @@ return 0
 """
 
 
-def fingerprint(method: str, path: str, body: Any) -> str:
+def request_hash(method: str, path: str, body: Any) -> str:
     """Hash of what the request asks for: a key reused for another request is an error."""
     canonical = json.dumps([method, path, body], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()

@@ -19,9 +19,10 @@ from pydantic import ValidationError
 from app import errors
 from app.db import open_database
 from app.deps import FilterHandles
-from app.errors import BodyLimitMiddleware, Utf8Middleware
 from app.idempotency import Idempotency
+from app.input import BodyLimitMiddleware, Utf8Middleware
 from app.metrics import Metrics, RequestMetricsMiddleware
+from app.openapi import document_limits
 from app.records import RebuildInProgress, RecordStore
 from app.redis_conn import open_redis
 from app.routes import dashboard, filters, health, records
@@ -163,7 +164,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.dashboard_history = history
     errors.install(app, cfg.retry_after)
     add_routes(app, (health.router, filters.router, records.router, dashboard.router))
-    _add_docs(app)
+    _add_docs(app, cfg)
     # Added innermost first: metrics see every answer, then the UTF-8 check, the body limit,
     # then the guard.
     app.add_middleware(
@@ -185,8 +186,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-def _add_docs(app: FastAPI) -> None:
-    """/docs and /redoc with their JavaScript, CSS and icon served from DOCS_ASSETS."""
+def _add_docs(app: FastAPI, settings: Settings) -> None:
+    """The OpenAPI schema, stating the limits ``settings`` set; /docs and /redoc with their
+    JavaScript, CSS and icon served from DOCS_ASSETS."""
+
+    generate = app.openapi  # made once, then kept
+
+    def openapi() -> dict[str, Any]:
+        made = app.openapi_schema is None
+        schema = generate()
+        return document_limits(schema, settings) if made else schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(DOCS_FILES)), name="docs-assets")
     page: dict[str, Any] = {
         "openapi_url": app.openapi_url or "/openapi.json",

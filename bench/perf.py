@@ -34,7 +34,7 @@ from bench.perf_apps import coalesce_switch
 from bench.suite import Target
 from devkit.processes import HttpProcess
 from guard import CuckooFilter, SyncCuckooFilter
-from guard.hashing import item_hash, to_bytes
+from guard.hashing import item_hash
 from guard.packing import use_hiredis_packing
 
 # The issue's reference figures, measured on this machine (Redis 7.0.15, loopback, 2 cores).
@@ -83,48 +83,31 @@ QUICK = PerfScale(2**13, 500, 1, 2_000, 1, 1, 5_000, 2**11, 20_000, (10**4, 10**
 # -- pipelining the library's own operations ----------------------------------------------------
 
 
-def run_pipelined(cf: SyncCuckooFilter, ops: list[Any], depth: int = 100) -> list[Any]:
-    """Run single-item library operations with their first round pipelined, `depth` at a time.
+def run_pipelined(cf: SyncCuckooFilter, ops: list[tuple[str, Any]], depth: int = 100) -> list[Any]:
+    """Run single-item library operations through the library's pipeline, `depth` at a time.
 
-    Each op is the generator the library itself runs (guard/filter.py): the commands and the
-    decoding of replies are the library's; only the round trips are shared. A later round
-    (a STALE retry) runs on its own.
+    Each op is (method, argument) of the filter's own API (guard/facade.py): the commands and
+    the decoding of replies are the library's; `cf.pipeline()` only shares the round trips.
     """
     results: list[Any] = []
     for a in range(0, len(ops), depth):
-        chunk = ops[a : a + depth]
-        rounds = [next(op) for op in chunk]
-        pipe = cf.redis.pipeline(transaction=False)
-        for rnd in rounds:
-            for call in rnd.calls:
-                cf._send(call, pipe)
-        replies = pipe.execute(raise_on_error=False)
-        k = 0
-        for op, rnd in zip(chunk, rounds, strict=True):
-            part = replies[k : k + len(rnd.calls)]
-            k += len(rnd.calls)
-            for reply in part:
-                if isinstance(reply, Exception):
-                    raise reply
-            try:
-                nxt = op.send(part)
-                while True:
-                    nxt = op.send(cf._execute(nxt))
-            except StopIteration as done:
-                results.append(done.value)
+        pipe = cf.pipeline()
+        for method, arg in ops[a : a + depth]:
+            getattr(pipe, method)(arg)
+        results += pipe.execute()
     return results
 
 
-def lookup_ops(cf: SyncCuckooFilter, items: list[str]) -> list[Any]:
-    return [cf._lookup_op([to_bytes(x)]) for x in items]
+def lookup_ops(cf: SyncCuckooFilter, items: list[str]) -> list[tuple[str, Any]]:
+    return [("lookup", x) for x in items]
 
 
-def insert_ops(cf: SyncCuckooFilter, items: list[str]) -> list[Any]:
-    return [cf._insert_op([x], False) for x in items]
+def insert_ops(cf: SyncCuckooFilter, items: list[str]) -> list[tuple[str, Any]]:
+    return [("insert", x) for x in items]
 
 
-def delete_ops(cf: SyncCuckooFilter, items: list[str]) -> list[Any]:
-    return [cf._batch_op("delete", [x]) for x in items]
+def delete_ops(cf: SyncCuckooFilter, items: list[str]) -> list[tuple[str, Any]]:
+    return [("delete", x) for x in items]
 
 
 # -- 1. server cost per operation ---------------------------------------------------------------

@@ -188,12 +188,12 @@ def ramp_quota(slots: int, workers: int, target_load: float) -> int:
 
 
 def slots_for(capacity: int, bucket_size: int = 4, fingerprint_bits: int = 16) -> int:
-    from guard.filter import plan_layout
+    from guard.params import FilterParams
 
-    layout = plan_layout(
-        capacity, error_rate=None, fingerprint_bits=fingerprint_bits, bucket_size=bucket_size,
-        max_kicks=500, expansion=0, seed=0,
-    )  # fmt: skip
+    layout = FilterParams(
+        capacity=capacity, fingerprint_bits=fingerprint_bits, bucket_size=bucket_size,
+        expansion=0, seed=0,
+    ).layout()  # fmt: skip
     return layout.buckets0 * bucket_size
 
 

@@ -10,6 +10,7 @@ from guard.errors import (
     GuardError,
     InvalidParameterError,
 )
+from guard.facade import AsyncPipeline, Pipeline
 from guard.filter import (
     CuckooFilter,
     FilterInfo,
@@ -21,11 +22,15 @@ from guard.listing import (
     list_sharded_filters,
     list_sharded_filters_sync,
 )
+from guard.names import NAME_PATTERN
 from guard.packing import use_hiredis_packing
+from guard.params import FilterParams
 from guard.sharded import ShardedCuckooFilter, ShardedFilterInfo, SyncShardedCuckooFilter
 
 __all__ = [
+    "NAME_PATTERN",
     "ApplyResult",
+    "AsyncPipeline",
     "Change",
     "ChangeSourceError",
     "CuckooFilter",
@@ -34,8 +39,10 @@ __all__ = [
     "FilterFullError",
     "FilterInfo",
     "FilterNotFoundError",
+    "FilterParams",
     "GuardError",
     "InvalidParameterError",
+    "Pipeline",
     "ShardedCuckooFilter",
     "ShardedFilterInfo",
     "SyncCuckooFilter",

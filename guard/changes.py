@@ -15,14 +15,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
-from guard import layout as fmt
 from guard import scripts
 from guard.errors import ChangeSourceError, FilterFullError, GuardError, InvalidParameterError
-from guard.filter import (
+from guard.hashing import item_hash, to_bytes
+from guard.layout import (
+    APPLIED_AT,
+    MAX_CHANGE_ID,
+    MAX_SOURCE,
+    TAG_BYTES,
+    Layout,
+    Stored,
+    unpack_header,
+)
+from guard.ops import (
     INSERT_CHUNK,
     KICK_BUDGET,
     MAX_RETRIES,
@@ -30,11 +39,23 @@ from guard.filter import (
     Command,
     Op,
     Round,
-    _check_int,
-    _FilterOps,
-    _forgets_on_damage,
+    forgets_on_damage,
 )
-from guard.hashing import item_hash, to_bytes
+from guard.params import Limit
+
+
+class FilterOps(Protocol):
+    """What these operations use of a filter's (guard/filter.py: FilterOps, whose handles
+    have them as methods, so it imports this module and not the other way round)."""
+
+    name: str
+    _layout: Layout
+    _read_command: str
+
+    def key(self, n: int = 0) -> str: ...
+    def _keys(self, count: int) -> list[str]: ...
+    def _adopt(self, reply: list[Any]) -> bool: ...
+    def _probe_op(self) -> Op[list[Stored]]: ...
 
 
 class Change(NamedTuple):
@@ -54,9 +75,14 @@ class ApplyResult:
     skipped: int = 0  # of the handled ones, those an earlier call had applied
 
 
+SOURCE = Limit(1, MAX_SOURCE)  # 0 is "none": a change log has an identity
+CHANGE_ID = Limit(1, MAX_CHANGE_ID)
+
+
 def _check_source(source: object) -> bytes:
-    value = _check_int("source", source, 1, fmt.MAX_SOURCE)
-    return value.to_bytes(8, "big")
+    SOURCE.check("source", source)
+    assert isinstance(source, int)
+    return source.to_bytes(8, "big")
 
 
 Item = tuple[int, bool, bytes]  # a checked change: id, insert, the item's bytes
@@ -68,7 +94,7 @@ def _checked(changes: Sequence[Change]) -> list[Item]:
     for k, change in enumerate(changes):
         if not isinstance(change, Change):
             raise InvalidParameterError(f"changes[{k}] must be a Change, got {change!r}")
-        _check_int(f"changes[{k}].id", change.id, 1, fmt.MAX_CHANGE_ID)
+        CHANGE_ID.check(f"changes[{k}].id", change.id)
         if out and change.id != out[0][0] + k:
             raise InvalidParameterError(
                 f"changes[{k}].id must be {out[0][0] + k}: ids are consecutive, got {change.id}"
@@ -77,7 +103,7 @@ def _checked(changes: Sequence[Change]) -> list[Item]:
     return out
 
 
-def _chunk(layout: fmt.Layout) -> int:
+def _chunk(layout: Layout) -> int:
     # Each change may kick like an insert: the same budget per call.
     return max(1, min(INSERT_CHUNK, KICK_BUDGET // max(1, layout.max_kicks)))
 
@@ -95,12 +121,12 @@ class _Sender:
     with the spare keys growth needs (without them during a slot migration), again after a
     stale layout; the retry counts hold for the whole operation."""
 
-    def __init__(self, f: _FilterOps, script: str, source: int) -> None:
+    def __init__(self, f: FilterOps, script: str, source: int) -> None:
         self.f, self.script, self.source = f, script, source
         self.stale = self.spare_less = 0
         self.spares = 2
 
-    def call(self, tail: Callable[[fmt.Layout], list[Any]]) -> Op:
+    def call(self, tail: Callable[[Layout], list[Any]]) -> Op:
         """One call; ``tail(layout)`` gives the arguments after the layout's. Returns the
         reply (any status but STALE and SOURCE)."""
         f = self.f
@@ -131,8 +157,8 @@ class _Sender:
             return reply
 
 
-@_forgets_on_damage
-def apply_op(f: _FilterOps, changes: Sequence[Change], source: int) -> Op:
+@forgets_on_damage
+def apply_op(f: FilterOps, changes: Sequence[Change], source: int) -> Op:
     """Apply ``changes`` in order, each exactly once (guard/lua/apply.lua).
 
     Long batches go in chunks, one script call each; a call stopped by growth that needs
@@ -150,7 +176,7 @@ def apply_op(f: _FilterOps, changes: Sequence[Change], source: int) -> Op:
         part = batch[len(results) : len(results) + _chunk(f._layout)]
         first = part[0][0] if part else 1
 
-        def tail(layout: fmt.Layout, part: list[Item] = part, first: int = first) -> list[Any]:
+        def tail(layout: Layout, part: list[Item] = part, first: int = first) -> list[Any]:
             return [src, first, *_change_args(part, layout.seed)]
 
         reply = yield from sender.call(tail)
@@ -169,13 +195,13 @@ def apply_op(f: _FilterOps, changes: Sequence[Change], source: int) -> Op:
             return ApplyResult(applied, len(results), False, results, skipped)
 
 
-@_forgets_on_damage
-def undo_op(f: _FilterOps, change: Change, source: int) -> Op:
+@forgets_on_damage
+def undo_op(f: FilterOps, change: Change, source: int) -> Op:
     """Take ``change`` back if it is the last change applied (guard/lua/undo.lua)."""
     src = _check_source(source)
     item = _checked([change])
 
-    def tail(layout: fmt.Layout) -> list[Any]:
+    def tail(layout: Layout) -> list[Any]:
         return [src, change.id, *_change_args(item, layout.seed)]
 
     sender = _Sender(f, "undo", source)
@@ -188,8 +214,8 @@ def undo_op(f: _FilterOps, change: Change, source: int) -> Op:
         # NEEDKEYS: growth needs a key the call did not carry; the sender adds them again.
 
 
-@_forgets_on_damage
-def applied_op(f: _FilterOps) -> Op:
+@forgets_on_damage
+def applied_op(f: FilterOps) -> Op:
     """The stored ``applied`` id, read-only (it runs on a replica).
 
     With a layout cached, one BITFIELD_RO reads sub-filter 0's tag beside the id: the tag
@@ -200,9 +226,9 @@ def applied_op(f: _FilterOps) -> Op:
         layout = f._layout
         if not layout.buckets0:
             break
-        tag_at = (layout.string_bytes(0) - fmt.TAG_BYTES) * 8
+        tag_at = (layout.string_bytes(0) - TAG_BYTES) * 8
         used = f._read_command
-        read = Command(used, [f.key(0), "GET", "i64", tag_at, "GET", "i64", fmt.APPLIED_AT * 8])
+        read = Command(used, [f.key(0), "GET", "i64", tag_at, "GET", "i64", APPLIED_AT * 8])
         try:
             ((tag, applied),) = yield Round([read])
         except ResponseError as exc:
@@ -212,8 +238,8 @@ def applied_op(f: _FilterOps) -> Op:
                 continue
             raise
         expected = int.from_bytes(layout.tag(0), "big", signed=True)
-        if tag == expected and 0 <= applied <= fmt.MAX_CHANGE_ID:
+        if tag == expected and 0 <= applied <= MAX_CHANGE_ID:
             return int(applied)
         break
     stored = yield from f._probe_op()
-    return fmt.unpack_header(stored[0].header).applied
+    return unpack_header(stored[0].header).applied

@@ -65,7 +65,8 @@ def _want_cluster(url: str, cluster: bool | None) -> bool:
 
 
 def _no_timeout_retry(options: dict[str, Any], retry_class: type[Any]) -> dict[str, Any]:
-    """redis-py's default client sends a command that timed out again (3 times in 8.1). A
+    """A client redis-py makes with ``Redis(host=...)`` sends a command that timed out again
+    (10 times in 8.1.0; one made ``from_url`` does not, by its defaults, not by promise). A
     script that timed out may still have run, and a delete run twice can remove a second copy
     of an item's fingerprint: a false negative. Only a broken connection is retried, once (it
     replaces a pooled connection a Redis restart killed), unless the caller chose a retry."""

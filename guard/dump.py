@@ -38,10 +38,21 @@ from typing import IO, Any, BinaryIO
 
 from redis.exceptions import ReadOnlyError, ResponseError
 
-from guard import layout as fmt
 from guard.errors import FilterCorruptError, FilterNotFoundError, GuardError
 from guard.filter import SyncCuckooFilter
-from guard.layout import Layout
+from guard.layout import (
+    HEADER_BYTES,
+    MAX_STRING_BYTES,
+    MAX_SUBFILTERS,
+    TAG_BYTES,
+    Layout,
+    Stored,
+    probe_reads,
+    unpack_header,
+    verify_stored,
+)
+from guard.layout import MAGIC as FILTER_MAGIC
+from guard.layout import VERSION as FORMAT_VERSION
 
 MAGIC = b"CKGDUMP\x00"
 VERSION = 1
@@ -71,7 +82,7 @@ class DumpHeader:
 
     def to_json(self) -> bytes:
         body = asdict(self)
-        body["format"] = fmt.VERSION
+        body["format"] = FORMAT_VERSION
         return json.dumps(body, sort_keys=True).encode()
 
     @classmethod
@@ -89,14 +100,14 @@ class DumpHeader:
             version = int(body["format"])
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise DumpError(f"bad dump header: {exc!r}") from None
-        if version != fmt.VERSION:
+        if version != FORMAT_VERSION:
             raise DumpError(f"filter format version {version} is not supported")
         header.check()
         return header
 
     def check(self) -> None:
         lay = self.layout
-        if not 1 <= lay.subfilters <= fmt.MAX_SUBFILTERS or len(self.lengths) != lay.subfilters:
+        if not 1 <= lay.subfilters <= MAX_SUBFILTERS or len(self.lengths) != lay.subfilters:
             raise DumpError("bad dump header: sub-filter count does not match the lengths")
         try:
             expected = [lay.string_bytes(n) for n in range(lay.subfilters)]
@@ -107,7 +118,7 @@ class DumpHeader:
                 f"bad dump header: sub-filter lengths {self.lengths} do not match the layout "
                 f"({expected})"
             )
-        if any(n > fmt.MAX_STRING_BYTES for n in self.lengths):
+        if any(n > MAX_STRING_BYTES for n in self.lengths):
             raise DumpError("bad dump header: a sub-filter is larger than a Redis string")
 
 
@@ -122,12 +133,12 @@ class DumpSummary:
 
 def _parse_header(data: bytes) -> tuple[Layout, int, int]:
     """(layout, capacity, items) from sub-filter 0's header."""
-    if len(data) < fmt.HEADER_BYTES:
+    if len(data) < HEADER_BYTES:
         raise DumpError("sub-filter 0 is shorter than a header")
-    header = fmt.unpack_header(data)
-    if header.magic != fmt.MAGIC:
+    header = unpack_header(data)
+    if header.magic != FILTER_MAGIC:
         raise FilterNotFoundError("not a cuckoo-guard filter (bad magic)")
-    if header.version != fmt.VERSION:
+    if header.version != FORMAT_VERSION:
         raise DumpError(f"filter format version {header.version} is not supported")
     return header.layout, header.capacity, header.items
 
@@ -140,7 +151,7 @@ def _snapshot(cf: SyncCuckooFilter) -> list[str] | None:
 
     None on a read-only replica, which refuses COPY (see _read_at_once)."""
     token = secrets.token_hex(8)
-    snaps = [f"{cf.key(0)}:dump:{token}:{n}" for n in range(fmt.MAX_SUBFILTERS)]
+    snaps = [f"{cf.key(0)}:dump:{token}:{n}" for n in range(MAX_SUBFILTERS)]
     pipe = cf.redis.pipeline(transaction=True)
     for n, snap in enumerate(snaps):
         pipe.copy(cf.key(n), snap)
@@ -157,10 +168,10 @@ def _snapshot(cf: SyncCuckooFilter) -> list[str] | None:
     return snaps
 
 
-def _read_stored(redis: Any, name: str, keys: list[str], names: list[str]) -> list[fmt.Stored]:
+def _read_stored(redis: Any, name: str, keys: list[str], names: list[str]) -> list[Stored]:
     pipe = redis.pipeline(transaction=False)
     for key in keys:
-        for command, args in fmt.probe_reads(key):
+        for command, args in probe_reads(key):
             pipe.execute_command(command, *args)
     replies = pipe.execute(raise_on_error=False)
     for k, reply in enumerate(replies):
@@ -168,11 +179,11 @@ def _read_stored(redis: Any, name: str, keys: list[str], names: list[str]) -> li
             raise FilterCorruptError(name, f"{names[k // 3]} holds another type")
         if isinstance(reply, Exception):
             raise reply
-    return [fmt.Stored(name, *replies[3 * n : 3 * n + 3]) for n, name in enumerate(names)]
+    return [Stored(name, *replies[3 * n : 3 * n + 3]) for n, name in enumerate(names)]
 
 
 def _read_at_once(
-    redis: Any, name: str, stored: list[fmt.Stored], chunk: int
+    redis: Any, name: str, stored: list[Stored], chunk: int
 ) -> dict[tuple[int, int], bytes]:
     """Every chunk of the live keys, {(sub-filter, offset): bytes}, read in one MULTI.
 
@@ -186,12 +197,12 @@ def _read_at_once(
     ]
     pipe = redis.pipeline(transaction=True)
     for key in keys:
-        for command, args in fmt.probe_reads(key):
+        for command, args in probe_reads(key):
             pipe.execute_command(command, *args)
     for n, start, size in wanted:
         pipe.getrange(keys[n], start, start + size - 1)
     replies = pipe.execute()
-    again = [fmt.Stored(key, *replies[3 * n : 3 * n + 3]) for n, key in enumerate(keys)]
+    again = [Stored(key, *replies[3 * n : 3 * n + 3]) for n, key in enumerate(keys)]
     if again != stored:
         raise GuardError(f"{name}: the filter changed while reading it; try again")
     data = replies[3 * len(keys) :]
@@ -215,17 +226,17 @@ def export_filter(
         raise ValueError(f"chunk_bytes must be 1-{MAX_CHUNK_BYTES}")
     redis = cf.redis
     snaps = _snapshot(cf)
-    live = [cf.key(n) for n in range(fmt.MAX_SUBFILTERS)]
+    live = [cf.key(n) for n in range(MAX_SUBFILTERS)]
     source = snaps or live
     try:
         # Checked under the live keys' names: the snapshot's are nobody's business.
         stored = _read_stored(redis, cf.name, source[:1], live[:1])
-        layout = fmt.verify_stored(cf.name, stored)
+        layout = verify_stored(cf.name, stored)
         names = live[: layout.subfilters]
         stored = _read_stored(redis, cf.name, source[: layout.subfilters], names)
-        fmt.verify_stored(cf.name, stored)  # every sub-filter, as the probe checks them
+        verify_stored(cf.name, stored)  # every sub-filter, as the probe checks them
         at_once = None if snaps else _read_at_once(redis, cf.name, stored, chunk_bytes)
-        headers = [fmt.unpack_header(s.header) for s in stored]
+        headers = [unpack_header(s.header) for s in stored]
         # Items live in each sub-filter's own header (bytes 32..39).
         items = sum(h.items for h in headers)
         lengths = [s.length for s in stored]
@@ -336,15 +347,15 @@ def validate_dump(path: str | Path) -> DumpHeader:
         for n, offset, data in _chunks(f, found):
             header = found[0]
             end = offset + len(data)
-            if offset < fmt.HEADER_BYTES:  # collect the header of each sub-filter
-                piece = data[: fmt.HEADER_BYTES - offset]
+            if offset < HEADER_BYTES:  # collect the header of each sub-filter
+                piece = data[: HEADER_BYTES - offset]
                 if n == 0:
                     head0 += piece
-                if offset == 0 and (piece[:4] != fmt.MAGIC.to_bytes(4, "big")):
+                if offset == 0 and (piece[:4] != FILTER_MAGIC.to_bytes(4, "big")):
                     raise DumpError(f"corrupt dump: sub-filter {n} has no filter header")
                 if offset <= 10 < end and data[10 - offset] != n:
                     raise DumpError(f"corrupt dump: sub-filter {n} has the index of another")
-            tag_at = header.lengths[n] - fmt.TAG_BYTES
+            tag_at = header.lengths[n] - TAG_BYTES
             if end > tag_at:  # the tag may span chunks
                 tags[n] = tags.get(n, b"") + data[max(0, tag_at - offset) :]
     header = found[0]

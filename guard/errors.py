@@ -1,4 +1,8 @@
-"""The library's exceptions: one base class, one subclass per thing a caller may handle."""
+"""The library's exceptions: one base class, one subclass per thing a caller may handle.
+
+Each carries what a caller needs as fields (the filter, the parameter and its limit, the
+results so far), so nobody has to read them out of the message.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,36 @@ RedisUnreachable = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class GuardError(Exception):
-    """Base class of every error the guard library raises on purpose."""
+    """Base class of every error the guard library raises on purpose.
+
+    ``filter``: the name of the filter concerned, when there is one.
+    """
+
+    def __init__(self, message: str = "", *, filter: str | None = None) -> None:
+        super().__init__(message)
+        self.filter = filter
 
 
 class InvalidParameterError(GuardError, ValueError):
-    """A parameter is out of range; raised before anything is written."""
+    """A parameter is out of range; raised before anything is written.
+
+    ``param``: the parameter at fault (None when no single one is); ``limit``: what it
+    accepts, in words ("an integer from 0 to 16"); ``value``: what it was given.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        limit: str | None = None,
+        value: object = None,
+        filter: str | None = None,
+    ) -> None:
+        super().__init__(message, filter=filter)
+        self.param = param
+        self.limit = limit
+        self.value = value
 
 
 class FilterNotFoundError(GuardError):
@@ -32,8 +61,10 @@ class FilterFullError(GuardError):
     ``results`` tells, item by item, which ones of the batch were added before the failure.
     """
 
-    def __init__(self, message: str, results: list[bool] | None = None) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, results: list[bool] | None = None, *, filter: str | None = None
+    ) -> None:
+        super().__init__(message, filter=filter)
         self.results: list[bool] = results if results is not None else []
 
 
@@ -43,11 +74,12 @@ class FilterCorruptError(GuardError):
     The message reads ``"<filter>: <reason>"``; ``filter`` and ``reason`` hold the two parts.
     """
 
+    filter: str
+
     def __init__(self, filter: str, reason: str | None = None) -> None:
         if reason is None:  # one preformatted "<filter>: <reason>" message
             filter, _, reason = filter.partition(": ")
-        super().__init__(f"{filter}: {reason}")
-        self.filter = filter
+        super().__init__(f"{filter}: {reason}", filter=filter)
         self.reason = reason
 
 
@@ -60,8 +92,8 @@ class ChangeSourceError(GuardError):
 
     def __init__(self, filter: str, stored: int, given: int) -> None:
         super().__init__(
-            f"{filter}: the filter follows change log {stored:#x}, not {given:#x}; rebuild it"
+            f"{filter}: the filter follows change log {stored:#x}, not {given:#x}; rebuild it",
+            filter=filter,
         )
-        self.filter = filter
         self.stored = stored
         self.given = given

@@ -1,78 +1,59 @@
-"""CuckooFilter (asyncio) and SyncCuckooFilter: one set of operations, two thin drivers.
+"""One filter's operations, and its handles: CuckooFilter (asyncio) and SyncCuckooFilter.
 
 Each operation is written once, as a generator that yields the Redis calls it needs (script
-calls; plain reads for lookups) and gets their replies back; the async and sync classes only run
-those calls on their client. The handle caches the filter's layout and sends it with every call;
-a call that finds the stored header different answers STALE, and the operation reads the
-stored filter again (the probe) and retries. A layout is adopted only after the probe has
-verified every sub-filter (guard/layout.py:verify_stored); a damaged filter leaves the handle
-with no layout, so every call checks again and raises FilterCorruptError again.
+calls; plain reads for lookups) and gets their replies back (guard/driver.py runs it on a
+blocking or an asyncio client; guard/facade.py gives both handles the same public methods).
+The handle caches the filter's layout and sends it with every call; a call that finds the
+stored header different answers STALE, and the operation reads the stored filter again (the
+probe) and retries. A layout is adopted only after the probe has verified every sub-filter
+(guard/layout.py:verify_stored); a damaged filter leaves the handle with no layout, so every
+call checks again and raises FilterCorruptError again.
 """
 
 from __future__ import annotations
 
-import functools
-import re
-import secrets
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, Self
 
-import numpy as np
-from redis.exceptions import ClusterError, NoScriptError, ResponseError, TryAgainError
+from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
-from guard import bulk, scripts
-from guard import layout as fmt
-from guard.coalesce import LookupCoalescer
+from guard import hashing, scripts
+from guard.changes import ApplyResult, Change, applied_op, apply_op, undo_op
 from guard.errors import (
     FilterCorruptError,
     FilterFullError,
     FilterNotFoundError,
     GuardError,
-    InvalidParameterError,
 )
-from guard.hashing import item_hash, to_bytes
-from guard.layout import Layout
-from guard.reads import ReadPlan, TagMismatch, plan_hashes
-
-if TYPE_CHECKING:
-    from guard.changes import ApplyResult, Change
-
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
-DEFAULT_PREFIX = "guard:"
-STAGING = ":staging"
-BATCH_CHUNK = 1000  # items per count/delete script call
-INSERT_CHUNK = 512
-# Kick steps one insert call may take in the worst case (about 1.5 us each on the server):
-# keeps a batch into a nearly full filter far below Redis's 5 s busy-script limit.
-KICK_BUDGET = 100_000
-MAX_RETRIES = 8
-
-
-class Call(NamedTuple):
-    """One EVALSHA of a guard script; EVALSHA_RO when ``read_only`` (it runs on a replica)."""
-
-    script: str
-    keys: list[str]
-    args: list[Any]
-    read_only: bool = False
-
-
-class Command(NamedTuple):
-    """One plain Redis command (the script-free reads)."""
-
-    name: str
-    args: list[Any]
-
-
-class Round(NamedTuple):
-    """What an operation sends at once: one pipeline, a MULTI when ``atomic``."""
-
-    calls: list[Call | Command]
-    atomic: bool = False
-
-
-Op = Generator[Round, list[Any], Any]
+from guard.facade import AsyncHandle, SyncHandle, operation
+from guard.hashing import to_bytes
+from guard.layout import (
+    MAX_SUBFILTERS,
+    UNKNOWN_LAYOUT,
+    Header,
+    Layout,
+    Stored,
+    pack_header,
+    probe_reads,
+    string_bytes,
+    unpack_header,
+    verify_stored,
+)
+from guard.names import DEFAULT_PREFIX, STAGING, base_key, check_name
+from guard.ops import (
+    BATCH_CHUNK,
+    INSERT_CHUNK,
+    KICK_BUDGET,
+    MAX_RETRIES,
+    Call,
+    Command,
+    Op,
+    Round,
+    forgets_on_damage,
+)
+from guard.params import APPLIED, SOURCE, FilterParams
+from guard.reads import ReadPlan, TagMismatch
 
 
 @dataclass(frozen=True)
@@ -99,103 +80,25 @@ class FilterInfo:
         return asdict(self)
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidParameterError(
-            f"{name} must be an integer from {low} to {high}, got {value!r}"
-        )
-    return value
-
-
-def plan_layout(
-    capacity: int,
-    *,
-    error_rate: float | None,
-    fingerprint_bits: int | None,
-    bucket_size: int,
-    max_kicks: int,
-    expansion: int,
-    seed: int | None,
-) -> Layout:
-    """Validate reserve() parameters and size the first sub-filter; no I/O."""
-    _check_int("capacity", capacity, 1, fmt.MAX_CAPACITY)
-    if bucket_size not in fmt.BUCKET_SIZES:
-        raise InvalidParameterError(
-            f"bucket_size must be one of {fmt.BUCKET_SIZES}, got {bucket_size!r}"
-        )
-    _check_int("max_kicks", max_kicks, 0, fmt.MAX_KICKS_LIMIT)
-    _check_int("expansion", expansion, 0, fmt.MAX_EXPANSION)
-    if error_rate is not None and fingerprint_bits is not None:
-        raise InvalidParameterError("give error_rate or fingerprint_bits, not both")
-    if error_rate is not None:
-        if (
-            isinstance(error_rate, bool)
-            or not isinstance(error_rate, int | float)
-            or not 0 < error_rate < 1
-        ):
-            raise InvalidParameterError(
-                f"error_rate must be between 0 and 1 (exclusive), got {error_rate!r}"
-            )
-        bits = fmt.fp_bits_for(error_rate, bucket_size, growing=expansion > 0)
-        if bits > fmt.MAX_FP_BITS:
-            raise InvalidParameterError(
-                f"error_rate {error_rate} needs {bits}-bit fingerprints; "
-                f"the limit is {fmt.MAX_FP_BITS}"
-            )
-        step = 1 if expansion > 0 else 0
-    else:
-        bits = 16 if fingerprint_bits is None else fingerprint_bits
-        _check_int("fingerprint_bits", bits, fmt.MIN_FP_BITS, fmt.MAX_FP_BITS)
-        step = 0
-    seed = secrets.randbits(32) if seed is None else _check_int("seed", seed, 0, 2**32 - 1)
-    buckets = fmt.buckets_for(capacity, bucket_size, bits)
-    if fmt.string_bytes(buckets, bucket_size, bits) > fmt.MAX_STRING_BYTES:
-        raise InvalidParameterError(
-            f"capacity {capacity} needs more than one Redis string (512 MB) holds; "
-            "lower it or use fewer fingerprint bits"
-        )
-    return Layout(bucket_size, bits, step, expansion, 1, max_kicks, buckets, seed)
-
-
-def _forgets_on_damage(make_op: Callable[..., Op]) -> Callable[..., Op]:
-    """An operation that meets damage leaves its handle with no layout: the bytes no longer
-    back the one it had, and the next call must verify the filter again, not trust it."""
-
-    @functools.wraps(make_op)
-    def op(self: _FilterOps, *args: Any, **kwargs: Any) -> Op:
-        try:
-            return (yield from make_op(self, *args, **kwargs))
-        except FilterCorruptError:
-            self._layout = fmt.UNKNOWN_LAYOUT
-            raise
-
-    return op
-
-
-class _FilterOps:
-    """The operations, as generators of script calls. Shared by both client flavours."""
+class FilterOps:
+    """One filter's operations, as generators of calls: the handles' (and each shard's)."""
 
     def __init__(
         self,
+        redis: Any,
         name: str,
         prefix: str = DEFAULT_PREFIX,
         *,
         _variant: str = "",
         _shard: int | None = None,
     ) -> None:
-        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise InvalidParameterError(
-                f"filter name must match {NAME_PATTERN.pattern} (1-64 characters), got {name!r}"
-            )
-        self.name = name
+        self.redis = redis
+        self.name = check_name(name)
         self.prefix = prefix
         self._variant = _variant
         self._shard = _shard
-        # The hash tag keeps every key of one filter in one Redis Cluster slot; a shard of a
-        # sharded filter gets its own tag (name:i), which user names cannot reach (no ':').
-        tag = name if _shard is None else f"{name}:{_shard}"
-        self._base = f"{prefix}{{{tag}}}{_variant}"
-        self._layout = fmt.UNKNOWN_LAYOUT
+        self._base = base_key(prefix, name, _shard, _variant)
+        self._layout = UNKNOWN_LAYOUT
         self._read_command = "BITFIELD_RO"
         self._read_scripts = True  # EVALSHA_RO for scripts that only read (Redis 7+)
 
@@ -211,7 +114,7 @@ class _FilterOps:
             if reply[1] != self._layout.subfilters:  # this very call grew the filter
                 self._layout = replace(self._layout, subfilters=int(reply[1]))
             return False
-        self._layout = fmt.UNKNOWN_LAYOUT
+        self._layout = UNKNOWN_LAYOUT
         return True
 
     def _probe_op(self) -> Op:
@@ -219,60 +122,55 @@ class _FilterOps:
 
         One MULTI reads each sub-filter's header, length and tag (as many sub-filters as the
         handle last knew of; a second MULTI when sub-filter 0 counts more). Returns what was
-        read, one fmt.Stored per sub-filter.
+        read, one Stored per sub-filter.
         """
         count = max(1, self._layout.subfilters)
-        self._layout = fmt.UNKNOWN_LAYOUT  # nothing unverified is kept, even on failure
+        self._layout = UNKNOWN_LAYOUT  # nothing unverified is kept, even on failure
         for _ in range(MAX_RETRIES):
             calls: list[Call | Command] = [Command("EXISTS", [self.key(0)])]
             calls.append(Command("EXISTS", [self.key(1)]))
             for n in range(count):
-                calls += [Command(*read) for read in fmt.probe_reads(self.key(n))]
+                calls += [Command(*read) for read in probe_reads(self.key(n))]
             replies = yield Round(calls, atomic=True)
             if not replies[0]:
                 if replies[1]:  # what is left of a filter is no filter, but never "absent"
                     raise FilterCorruptError(self.name, f"{self.key(0)} is missing")
-                raise FilterNotFoundError(f"{self.name}: no such filter")
-            stored = [
-                fmt.Stored(self.key(n), *replies[2 + 3 * n : 5 + 3 * n]) for n in range(count)
-            ]
-            layout = fmt.verify_stored(self.name, stored)
+                raise FilterNotFoundError(f"{self.name}: no such filter", filter=self.name)
+            stored = [Stored(self.key(n), *replies[2 + 3 * n : 5 + 3 * n]) for n in range(count)]
+            layout = verify_stored(self.name, stored)
             if layout.subfilters <= count:
                 self._layout = layout
                 return stored[: layout.subfilters]
             count = layout.subfilters
-        raise GuardError(f"{self.name}: layout kept changing while reading it")
+        raise GuardError(f"{self.name}: layout kept changing while reading it", filter=self.name)
 
-    @staticmethod
-    def _flat_hashes(data: Sequence[bytes], seed: int) -> list[int]:
-        out: list[int] = []
-        for d in data:
-            out.extend(item_hash(d, seed))
-        return out
+    def staging(self) -> Self:
+        """A handle on this filter's staging copy (same hash tag), for rebuilds: fill it,
+        then ``promote()`` it in place of the live filter."""
+        return type(self)(self.redis, self.name, self.prefix, _variant=STAGING, _shard=self._shard)
 
     # -- operations -------------------------------------------------------------------------
 
-    def _reserve_op(
-        self,
-        layout: Layout,
-        capacity: int,
-        error_rate: float | None,
-        shards: int = 0,
-        *,
-        applied: int = 0,
-        source: int = 0,
-    ) -> Op:
-        _check_int("applied", applied, 0, fmt.MAX_CHANGE_ID)
-        _check_int("source", source, 0, fmt.MAX_SOURCE)
-        header = fmt.pack_header(
-            layout, capacity, error_rate, shards, applied=applied, source=source
+    def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[FilterInfo]:
+        APPLIED.check("applied", applied)
+        SOURCE.check("source", source)
+        layout = params.layout()
+        header = pack_header(
+            layout, params.capacity, params.error_rate, applied=applied, source=source
         )
-        total = fmt.string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
+        return (yield from self._create_op(layout, header))
+
+    def _create_op(self, layout: Layout, header: bytes) -> Op[FilterInfo]:
+        total = string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
         yield Round([Call("reserve", [self.key(0)], [header, total, layout.tag(0)])])
         self._layout = layout
         return (yield from self._info_op())
 
-    @_forgets_on_damage
+    def _exists_op(self) -> Op[bool]:
+        (found,) = yield Round([Command("EXISTS", [self.key(0)])])
+        return bool(found)
+
+    @forgets_on_damage
     def _batch_op(self, script: str, items: Iterable[str | bytes], chunk: int = BATCH_CHUNK) -> Op:
         """count / delete: chunks are independent, so they go in one pipeline."""
         data = [to_bytes(x) for x in items]
@@ -284,7 +182,7 @@ class _FilterOps:
             if not self._layout.buckets0:
                 yield from self._probe_op()
             layout = self._layout
-            flat = self._flat_hashes(data, layout.seed)
+            flat = hashing.flat(hashing.hash_batch(data, layout.seed))
             keys = self._keys(layout.subfilters)
             read_only = script == "count" and self._read_scripts
             try:
@@ -308,9 +206,9 @@ class _FilterOps:
                 else:
                     results[a:b] = reply[2:]
             pending = retry
-        raise GuardError(f"{self.name}: layout kept changing during {script}")
+        raise GuardError(f"{self.name}: layout kept changing during {script}", filter=self.name)
 
-    @_forgets_on_damage
+    @forgets_on_damage
     def _lookup_op(self, data: list[bytes]) -> Op:
         """Script-free: one read command per sub-filter and chunk (guard/reads.py).
 
@@ -318,7 +216,7 @@ class _FilterOps:
         each item once, before any batching."""
         if not data:
             return []
-        hashes: list[tuple[int, int]] | np.ndarray = []
+        hashes: hashing.Hashes = []
         seed = None
         checked = None  # the layout the info script last vouched for
         for _ in range(MAX_RETRIES):
@@ -329,7 +227,7 @@ class _FilterOps:
                 continue
             if seed != layout.seed:
                 seed = layout.seed
-                hashes = plan_hashes(data, seed)
+                hashes = hashing.hash_batch(data, seed)
             plan = ReadPlan(layout, hashes, self.key)
             used = self._read_command
             commands: list[Call | Command] = [Command(used, c.args) for c in plan.commands]
@@ -351,9 +249,9 @@ class _FilterOps:
             # (adopting the stored layout, or raising not found / corrupt).
             yield from self._probe_op()
             checked = self._layout
-        raise GuardError(f"{self.name}: layout kept changing during lookup")
+        raise GuardError(f"{self.name}: layout kept changing during lookup", filter=self.name)
 
-    @_forgets_on_damage
+    @forgets_on_damage
     def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op:
         """Chunks run one after another: a full fixed-size filter stops at the first failure."""
         data = [to_bytes(x) for x in items]
@@ -368,7 +266,11 @@ class _FilterOps:
             part = data[len(results) : len(results) + chunk]
             # Two spare keys: growth may add sub-filters within one call.
             keys = self._keys(layout.subfilters + spares)
-            args = [*layout.args(), int(unique), *self._flat_hashes(part, layout.seed)]
+            args = [
+                *layout.args(),
+                int(unique),
+                *hashing.flat(hashing.hash_batch(part, layout.seed)),
+            ]
             try:
                 (reply,) = yield Round([Call("insert", keys, args)])
             except (ClusterError, TryAgainError):
@@ -385,22 +287,25 @@ class _FilterOps:
             if self._adopt(reply):
                 stale += 1
                 if stale > MAX_RETRIES:
-                    raise GuardError(f"{self.name}: layout kept changing during insert")
+                    raise GuardError(
+                        f"{self.name}: layout kept changing during insert", filter=self.name
+                    )
                 continue
             results.extend(bool(r) for r in reply[2:])
             if reply[0] == scripts.FULL:
                 raise FilterFullError(
                     f"filter {self.name!r} is full ({len(results)} of {len(data)} items added)",
                     results + [False] * (len(data) - len(results)),
+                    filter=self.name,
                 )
         return results
 
     def _info_op(self) -> Op:
         """Script-free (it runs on a read-only replica): the probe reads every header."""
         stored = yield from self._probe_op()
-        return self._make_info(self._layout, [fmt.unpack_header(s.header) for s in stored])
+        return self._make_info(self._layout, [unpack_header(s.header) for s in stored])
 
-    def _make_info(self, layout: Layout, headers: list[fmt.Header]) -> FilterInfo:
+    def _make_info(self, layout: Layout, headers: list[Header]) -> FilterInfo:
         first = headers[0]
         capacity, deletes, missed = first.capacity, first.deletes, first.missed_deletes
         per_sub = [h.items for h in headers]
@@ -437,65 +342,52 @@ class _FilterOps:
         )
 
     def _drop_op(self) -> Op:
-        (existed,) = yield Round([Call("drop", self._keys(fmt.MAX_SUBFILTERS), [])])
-        self._layout = fmt.UNKNOWN_LAYOUT
+        (existed,) = yield Round([Call("drop", self._keys(MAX_SUBFILTERS), [])])
+        self._layout = UNKNOWN_LAYOUT
         return bool(existed)
 
-    @_forgets_on_damage
-    def _promote_op(self, live: _FilterOps) -> Op:
-        keys = live._keys(fmt.MAX_SUBFILTERS) + self._keys(fmt.MAX_SUBFILTERS)
+    def _promote_op(self) -> Op[bool]:
+        live = FilterOps(self.redis, self.name, self.prefix, _shard=self._shard)
+        return (yield from self._replace_op(live))
+
+    @forgets_on_damage
+    def _replace_op(self, live: FilterOps) -> Op[bool]:
+        keys = live._keys(MAX_SUBFILTERS) + self._keys(MAX_SUBFILTERS)
         for _ in range(MAX_RETRIES):
             if not self._layout.buckets0:
                 yield from self._probe_op()
             (reply,) = yield Round([Call("promote", keys, self._layout.args())])
             if reply != [scripts.STALE]:
                 live._layout = self._layout
-                self._layout = fmt.UNKNOWN_LAYOUT
+                self._layout = UNKNOWN_LAYOUT
                 return True
-            self._layout = fmt.UNKNOWN_LAYOUT
-        raise GuardError(f"{self.name}: layout kept changing during promote")
+            self._layout = UNKNOWN_LAYOUT
+        raise GuardError(f"{self.name}: layout kept changing during promote", filter=self.name)
 
 
-RESERVE_OPTIONS = (
-    "error_rate",
-    "fingerprint_bits",
-    "bucket_size",
-    "max_kicks",
-    "expansion",
-    "seed",
-)
-# What reserve() of an unsharded filter also takes: the change feed's watermark, for a filter
-# built from a database snapshot (guard/changes.py). A sharded filter refuses them.
-WATERMARK_OPTIONS = ("applied", "source")
+class _ChangeFeed(FilterOps):
+    """The change feed's methods (guard/changes.py): a single filter's handles have them, a
+    sharded filter does not."""
+
+    @operation
+    def apply_changes(self, changes: Sequence[Change], *, source: int) -> Op[ApplyResult]:
+        """Apply database changes in order, each exactly once: see guard/changes.py."""
+        return apply_op(self, changes, source)
+
+    @operation
+    def applied_change(self) -> Op[int]:
+        """The id of the last database change applied to the filter (0: none)."""
+        return applied_op(self)
+
+    @operation
+    def undo_change(self, change: Change, *, source: int) -> Op[bool]:
+        """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
+        return undo_op(self, change, source)
 
 
-def _split_watermark(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
-    """reserve()'s parameters: the layout's, and the watermark's (WATERMARK_OPTIONS)."""
-    rest = {k: v for k, v in params.items() if k not in WATERMARK_OPTIONS}
-    return rest, {k: params[k] for k in WATERMARK_OPTIONS if k in params}
-
-
-def _plan(capacity: int, **params: Any) -> Layout:
-    # A misspelt option used to be ignored: reserve(100, bucket_sise=2) made bucket size 4.
-    unknown = sorted(set(params) - set(RESERVE_OPTIONS))
-    if unknown:
-        raise InvalidParameterError(
-            f"unknown reserve option(s) {', '.join(unknown)}; "
-            f"it accepts {', '.join(RESERVE_OPTIONS)}"
-        )
-    return plan_layout(
-        capacity,
-        error_rate=params.get("error_rate"),
-        fingerprint_bits=params.get("fingerprint_bits"),
-        bucket_size=params.get("bucket_size", 4),
-        max_kicks=params.get("max_kicks", 500),
-        expansion=params.get("expansion", 2),
-        seed=params.get("seed"),
-    )
-
-
-class CuckooFilter(_FilterOps):
-    """A handle on one filter over ``redis.asyncio.Redis``; creating it does no I/O.
+class CuckooFilter(AsyncHandle[FilterInfo], _ChangeFeed):
+    """A handle on one filter over ``redis.asyncio.Redis`` (or its ``RedisCluster``);
+    creating it does no I/O. Its methods are guard/facade.py's.
 
     With ``coalesce`` (the default), concurrent lookups on this handle are sent together:
     see guard/coalesce.py.
@@ -511,324 +403,13 @@ class CuckooFilter(_FilterOps):
         _variant: str = "",
         _shard: int | None = None,
     ) -> None:
-        super().__init__(name, prefix, _variant=_variant, _shard=_shard)
-        self.redis = redis
-        self._scripts = scripts.register(redis)
-        self._coalescer = LookupCoalescer(self._lookup_now) if coalesce else None
+        super().__init__(redis, name, prefix, _variant=_variant, _shard=_shard)
+        self._start(coalesce)
 
-    async def _lookup_now(self, data: list[bytes]) -> list[bool]:
-        result: list[bool] = await self._run(self._lookup_op(data))
-        return result
 
-    async def _lookup(self, items: Iterable[str | bytes]) -> list[bool]:
-        data = [to_bytes(x) for x in items]  # a bad item fails its own caller, not the batch
-        if self._coalescer is None:
-            return await self._lookup_now(data)
-        return await self._coalescer.lookup_many(data)
+class SyncCuckooFilter(SyncHandle[FilterInfo], _ChangeFeed):
+    """The same filter over a blocking ``redis.Redis`` (or ``RedisCluster``), for scripts
+    and CLIs."""
 
-    async def _run(self, op: Op) -> Any:
-        # Errors go back into the operation, which may handle them (or let them rise).
-        try:
-            rnd = next(op)
-            while True:
-                try:
-                    replies = await self._execute(rnd)
-                except Exception as exc:
-                    rnd = op.throw(exc)
-                else:
-                    rnd = op.send(replies)
-        except StopIteration as done:
-            return done.value
 
-    async def _execute(self, rnd: Round) -> list[Any]:
-        try:
-            if len(rnd.calls) == 1 and not rnd.atomic:
-                return [await self._send_one(rnd.calls[0])]
-            if rnd.atomic:
-                # redis-py 8: a MULTI as an asyncio RedisCluster's first command sets up its
-                # connections outside the running loop, breaking every later call. Plain
-                # clients and set-up clusters return at once.
-                await self.redis.initialize()
-            pipe = self.redis.pipeline(transaction=rnd.atomic)
-            for c in rnd.calls:
-                await self._send(c, pipe)
-            replies = await pipe.execute(raise_on_error=False)
-            # A SCRIPT FLUSH between the pipeline's script preload and its execution: those
-            # calls did nothing, so they alone are sent again, as EVAL, which cannot miss.
-            for k in _unloaded(replies):
-                replies[k] = await self.redis.execute_command(*_eval_args(rnd.calls[k]))
-        except ResponseError as exc:
-            raise scripts.map_error(exc, self.name) from exc
-        return _raise_first_error(replies, self.name)
-
-    async def _send_one(self, call: Call | Command) -> Any:
-        try:
-            return await self._send(call, self.redis)
-        except NoScriptError:  # flushed again between redis-py's reload and its retry
-            return await self.redis.execute_command(*_eval_args(call))
-
-    async def _send(self, call: Call | Command, client: Any) -> Any:
-        if client is not self.redis:
-            return _queue(call, self._scripts, client)
-        if isinstance(call, Command):
-            return await client.execute_command(call.name, *call.args)
-        if call.read_only:
-            return await client.execute_command(*_evalsha_args(call, self._scripts))
-        return await self._scripts[call.script](keys=call.keys, args=call.args, client=client)
-
-    def staging(self) -> CuckooFilter:
-        """A handle on this filter's staging copy (same hash tag), for rebuilds."""
-        return CuckooFilter(
-            self.redis, self.name, self.prefix, _variant=STAGING, _shard=self._shard
-        )
-
-    async def reserve(self, capacity: int, **params: Any) -> FilterInfo:
-        """Create the filter: capacity, error_rate | fingerprint_bits, bucket_size, max_kicks,
-        expansion (0 = fixed size), seed; applied and source (guard/changes.py) for a filter
-        built from a database snapshot."""
-        params, watermark = _split_watermark(params)
-        layout = _plan(capacity, **params)
-        op = self._reserve_op(layout, capacity, params.get("error_rate"), **watermark)
-        return await self._run(op)
-
-    async def bulk_load(
-        self, items: Any, capacity: int | None = None, **options: Any
-    ) -> FilterInfo:
-        """Make the filter from ``items`` (an iterable or async iterable of items, or of lists
-        of items) in one build: see guard/bulk.py:bulk_load for the options."""
-        return await bulk.abulk_load(self, items, capacity, plan=_plan, **options)
-
-    async def insert(self, item: str | bytes) -> bool:
-        return (await self._run(self._insert_op([item], unique=False)))[0]
-
-    async def insert_unique(self, item: str | bytes) -> bool:
-        return (await self._run(self._insert_op([item], unique=True)))[0]
-
-    async def insert_many(self, items: Iterable[str | bytes], unique: bool = False) -> list[bool]:
-        return await self._run(self._insert_op(items, unique))
-
-    async def lookup(self, item: str | bytes) -> bool:
-        return (await self._lookup([item]))[0]
-
-    async def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return await self._lookup(items)
-
-    async def count(self, item: str | bytes) -> int:
-        return int((await self._run(self._batch_op("count", [item])))[0])
-
-    async def delete(self, item: str | bytes) -> bool:
-        return bool((await self._run(self._batch_op("delete", [item])))[0])
-
-    async def delete_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return [bool(r) for r in await self._run(self._batch_op("delete", items))]
-
-    async def info(self) -> FilterInfo:
-        return await self._run(self._info_op())
-
-    async def exists(self) -> bool:
-        return bool(await self.redis.exists(self.key(0)))
-
-    async def drop(self) -> bool:
-        return await self._run(self._drop_op())
-
-    async def promote(self) -> bool:
-        """Atomically replace the live filter by this staging copy."""
-        live = CuckooFilter(self.redis, self.name, self.prefix, _shard=self._shard)
-        return await self._run(self._promote_op(live))
-
-    # The change feed (guard/changes.py; imported here, as it builds on this module).
-
-    async def apply_changes(self, changes: Sequence[Change], *, source: int) -> ApplyResult:
-        """Apply database changes exactly once: see guard/changes.py."""
-        from guard.changes import apply_op
-
-        result: ApplyResult = await self._run(apply_op(self, changes, source))
-        return result
-
-    async def applied_change(self) -> int:
-        """The id of the last database change applied to the filter (0: none)."""
-        from guard.changes import applied_op
-
-        return int(await self._run(applied_op(self)))
-
-    async def undo_change(self, change: Change, *, source: int) -> bool:
-        """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
-        from guard.changes import undo_op
-
-        return bool(await self._run(undo_op(self, change, source)))
-
-
-class SyncCuckooFilter(_FilterOps):
-    """The same filter over a blocking ``redis.Redis``, for scripts and CLIs."""
-
-    def __init__(
-        self,
-        redis: Any,
-        name: str,
-        prefix: str = DEFAULT_PREFIX,
-        *,
-        _variant: str = "",
-        _shard: int | None = None,
-    ) -> None:
-        super().__init__(name, prefix, _variant=_variant, _shard=_shard)
-        self.redis = redis
-        self._scripts = scripts.register(redis)
-
-    def _run(self, op: Op) -> Any:
-        try:
-            rnd = next(op)
-            while True:
-                try:
-                    replies = self._execute(rnd)
-                except Exception as exc:
-                    rnd = op.throw(exc)
-                else:
-                    rnd = op.send(replies)
-        except StopIteration as done:
-            return done.value
-
-    def _execute(self, rnd: Round) -> list[Any]:
-        try:
-            if len(rnd.calls) == 1 and not rnd.atomic:
-                return [self._send_one(rnd.calls[0])]
-            pipe = self.redis.pipeline(transaction=rnd.atomic)
-            for c in rnd.calls:
-                self._send(c, pipe)
-            replies = pipe.execute(raise_on_error=False)
-            for k in _unloaded(replies):
-                replies[k] = self.redis.execute_command(*_eval_args(rnd.calls[k]))
-        except ResponseError as exc:
-            raise scripts.map_error(exc, self.name) from exc
-        return _raise_first_error(replies, self.name)
-
-    def _send_one(self, call: Call | Command) -> Any:
-        try:
-            return self._send(call, self.redis)
-        except NoScriptError:
-            return self.redis.execute_command(*_eval_args(call))
-
-    def _send(self, call: Call | Command, client: Any) -> Any:
-        if client is not self.redis:
-            return _queue(call, self._scripts, client)
-        if isinstance(call, Command):
-            return client.execute_command(call.name, *call.args)
-        if call.read_only:
-            return client.execute_command(*_evalsha_args(call, self._scripts))
-        return self._scripts[call.script](keys=call.keys, args=call.args, client=client)
-
-    def staging(self) -> SyncCuckooFilter:
-        return SyncCuckooFilter(
-            self.redis, self.name, self.prefix, _variant=STAGING, _shard=self._shard
-        )
-
-    def reserve(self, capacity: int, **params: Any) -> FilterInfo:
-        params, watermark = _split_watermark(params)
-        layout = _plan(capacity, **params)
-        return self._run(self._reserve_op(layout, capacity, params.get("error_rate"), **watermark))
-
-    def bulk_load(self, items: Any, capacity: int | None = None, **options: Any) -> FilterInfo:
-        """Make the filter from ``items`` in one build: see guard/bulk.py:bulk_load."""
-        return bulk.bulk_load(self, items, capacity, plan=_plan, **options)
-
-    def insert(self, item: str | bytes) -> bool:
-        return self._run(self._insert_op([item], unique=False))[0]
-
-    def insert_unique(self, item: str | bytes) -> bool:
-        return self._run(self._insert_op([item], unique=True))[0]
-
-    def insert_many(self, items: Iterable[str | bytes], unique: bool = False) -> list[bool]:
-        return self._run(self._insert_op(items, unique))
-
-    def lookup(self, item: str | bytes) -> bool:
-        return self._run(self._lookup_op([to_bytes(item)]))[0]
-
-    def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return self._run(self._lookup_op([to_bytes(x) for x in items]))
-
-    def count(self, item: str | bytes) -> int:
-        return int(self._run(self._batch_op("count", [item]))[0])
-
-    def delete(self, item: str | bytes) -> bool:
-        return bool(self._run(self._batch_op("delete", [item]))[0])
-
-    def delete_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return [bool(r) for r in self._run(self._batch_op("delete", items))]
-
-    def info(self) -> FilterInfo:
-        return self._run(self._info_op())
-
-    def exists(self) -> bool:
-        return bool(self.redis.exists(self.key(0)))
-
-    def drop(self) -> bool:
-        return self._run(self._drop_op())
-
-    def promote(self) -> bool:
-        live = SyncCuckooFilter(self.redis, self.name, self.prefix, _shard=self._shard)
-        return self._run(self._promote_op(live))
-
-    def apply_changes(self, changes: Sequence[Change], *, source: int) -> ApplyResult:
-        from guard.changes import apply_op
-
-        result: ApplyResult = self._run(apply_op(self, changes, source))
-        return result
-
-    def applied_change(self) -> int:
-        from guard.changes import applied_op
-
-        return int(self._run(applied_op(self)))
-
-    def undo_change(self, change: Change, *, source: int) -> bool:
-        from guard.changes import undo_op
-
-        return bool(self._run(undo_op(self, change, source)))
-
-
-def _eval_args(call: Call | Command) -> list[Any]:
-    """EVAL (EVAL_RO) of a call's script: what a NOSCRIPT reply is answered with."""
-    assert isinstance(call, Call)
-    command = "EVAL_RO" if call.read_only else "EVAL"
-    return [command, scripts.source(call.script), len(call.keys), *call.keys, *call.args]
-
-
-def _evalsha_args(call: Call, registered: dict[str, Any]) -> list[Any]:
-    command = "EVALSHA_RO" if call.read_only else "EVALSHA"
-    sha = registered[call.script].sha
-    return [command, sha, len(call.keys), *call.keys, *call.args]
-
-
-def _queue(call: Call | Command, registered: dict[str, Any], pipe: Any) -> None:
-    """Queue a call on a pipeline (sync or asyncio), as a raw command, without awaiting it.
-
-    For Redis Cluster pipelines (redis-py 8): awaiting what an asyncio ``ClusterPipeline``
-    returns re-initializes it and empties its queue, and the sync one refuses its ``evalsha``
-    method (not the raw command). A plain pipeline still loads the scripts before it runs; a
-    cluster pipeline's NOSCRIPT replies are re-sent as EVAL by the caller.
-    """
-    if isinstance(call, Command):
-        pipe.execute_command(call.name, *call.args)
-        return
-    if hasattr(pipe, "scripts"):
-        pipe.scripts.add(registered[call.script])
-    pipe.execute_command(*_evalsha_args(call, registered))
-
-
-def _unloaded(replies: list[Any]) -> list[int]:
-    return [k for k, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-
-
-def _raise_first_error(replies: list[Any], name: str) -> list[Any]:
-    for reply in replies:
-        if isinstance(reply, ResponseError):
-            raise scripts.map_error(reply, name) from reply
-        if isinstance(reply, Exception):
-            raise reply
-    return replies
-
-
-__all__ = [
-    "CuckooFilter",
-    "FilterInfo",
-    "SyncCuckooFilter",
-    "plan_layout",
-]
+__all__ = ["CuckooFilter", "FilterInfo", "SyncCuckooFilter"]

@@ -4,19 +4,24 @@ A filter's first key is ``PREFIX{NAME}``; shard ``i`` of a sharded filter is ``P
 (guard/sharded.py). Sub-filter keys (``…}:n``) and staging copies (``…}:staging``) end after
 the brace, so the match pattern skips them without reading a byte of any filter. Other keys
 that match (a name that is not valid UTF-8 or not a filter name) are skipped: no filter can
-have them. ``read_filters`` then reads each filter's info, reporting the damaged ones (a key
-of another type under a filter's name, bytes that are not a filter) instead of failing.
+have them. ``read_filters`` (``read_filters_sync``) then reads every filter's info at once,
+reporting the damaged ones (a key of another type under a filter's name, bytes that are not a
+filter) instead of failing.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from guard.errors import FilterCorruptError, FilterNotFoundError
-from guard.filter import DEFAULT_PREFIX, NAME_PATTERN, FilterInfo
+from guard.errors import FilterCorruptError, FilterNotFoundError, InvalidParameterError
+from guard.facade import AsyncHandle, Facade, SyncHandle
+from guard.filter import FilterInfo, SyncCuckooFilter
+from guard.names import DEFAULT_PREFIX, NAME_PATTERN
+from guard.ops import Op, lockstep
+from guard.sharded import SyncShardedCuckooFilter
 
 
 def _match_pattern(prefix: str) -> str:
@@ -84,10 +89,6 @@ def list_sharded_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> dict[
     return _shard_counts(_tags_sync(redis, prefix))
 
 
-class _Readable(Protocol):
-    async def info(self) -> FilterInfo: ...
-
-
 @dataclass
 class FilterReport:
     """What ``read_filters`` found: the filters it could read, and the damaged ones."""
@@ -96,24 +97,50 @@ class FilterReport:
     damaged: list[str] = field(default_factory=list)
 
 
+def _report_op(handles: Sequence[Facade[Any]]) -> Op[FilterReport]:
+    """Every handle's info, read side by side (one round trip for all, not one each); a
+    damaged filter named rather than failing the whole report; a filter dropped since the
+    SCAN left out. Anything else (Redis unreachable) raises."""
+    results = yield from lockstep({k: h._info_op() for k, h in enumerate(handles)})
+    report = FilterReport()
+    for k, handle in enumerate(handles):
+        result = results[k]
+        # A sharded filter that lost its last shard lists one shard short, and refuses a
+        # handle with that count (InvalidParameterError): damaged too.
+        if isinstance(result, FilterCorruptError | InvalidParameterError):
+            report.damaged.append(handle.name)
+        elif isinstance(result, FilterNotFoundError):
+            continue
+        elif isinstance(result, Exception):
+            raise result
+        else:
+            report.infos.append(result)
+    return report
+
+
 async def read_filters(
     redis: Any,
-    handle: Callable[[str], _Readable],
+    handle: Callable[[str], AsyncHandle[Any]],
     prefix: str = DEFAULT_PREFIX,
     limit: int | None = None,
 ) -> FilterReport:
-    """The info of the first ``limit`` filters under ``prefix`` (``handle(name)`` opens one),
-    a damaged filter named in ``damaged`` rather than failing the whole listing; filters
-    dropped since the SCAN are left out. Redis being unreachable still raises."""
-    report = FilterReport()
-    for name in (await list_filters(redis, prefix))[:limit]:
-        try:
-            report.infos.append(await handle(name).info())
-        except FilterNotFoundError:
-            continue
-        except FilterCorruptError:
-            report.damaged.append(name)
-    return report
+    """The info of the first ``limit`` (unsharded) filters under ``prefix``, by name;
+    ``handle(name)`` opens one (the service keeps its handles)."""
+    handles = [handle(name) for name in (await list_filters(redis, prefix))[:limit]]
+    return await handles[0]._run(_report_op(handles)) if handles else FilterReport()
+
+
+def read_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> FilterReport:
+    """The info of every filter under ``prefix``, plain and sharded, by name."""
+    handles: list[SyncHandle[Any]] = [
+        SyncCuckooFilter(redis, name, prefix) for name in list_filters_sync(redis, prefix)
+    ]
+    handles += [
+        SyncShardedCuckooFilter(redis, name, prefix, shards=shards)
+        for name, shards in list_sharded_filters_sync(redis, prefix).items()
+    ]
+    handles.sort(key=lambda h: h.name)
+    return handles[0]._run(_report_op(handles)) if handles else FilterReport()
 
 
 __all__ = [
@@ -123,4 +150,5 @@ __all__ = [
     "list_sharded_filters",
     "list_sharded_filters_sync",
     "read_filters",
+    "read_filters_sync",
 ]

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, Protocol
 
 from guard.breaker import RedisBreaker
-from guard.errors import FilterCorruptError, RedisUnreachable
+from guard.errors import FilterCorruptError, FilterNotFoundError, RedisUnreachable
 
 log = logging.getLogger("guard.middleware")
 
@@ -86,12 +86,7 @@ class GuardMiddleware:
         self.retry_after = retry_after
         self.on_decision = on_decision
         self.on_failure = on_failure
-        if missing is None:
-            # Imported here, not at module level: `guard` may import this module.
-            from guard import FilterNotFoundError
-
-            missing = (FilterNotFoundError,)
-        self.missing = missing
+        self.missing = (FilterNotFoundError,) if missing is None else missing
         self._incident_since: float | None = None
         self._incident_reason: str | None = None
 

@@ -15,7 +15,8 @@ times what a native module's CF.MEXISTS does.
 
 Batches are planned and checked with numpy: per item, Python-level arithmetic and slot loops
 cost several times what Redis spends answering. Small batches (one request's single lookup)
-stay in plain Python, where numpy's fixed cost per call would dominate.
+stay in plain Python, where numpy's fixed cost per call would dominate: a plan takes the form
+its hashes come in (guard/hashing.py: ``hash_batch``), and both forms run hashing's functions.
 """
 
 from __future__ import annotations
@@ -28,12 +29,10 @@ from typing import NamedTuple
 import numpy as np
 
 from guard import hashing
-from guard import layout as fmt
-from guard.layout import Layout
+from guard.layout import HEADER_BYTES, TAG_BYTES, Layout
 
 MAX_GETS = 2000
 _U64 = 1 << 64
-VECTOR_MIN = 16  # numpy from here: plan + check cost the same at about 12 items (measured)
 
 
 class TagMismatch(Exception):
@@ -111,14 +110,6 @@ class _Command:
     args: list[object]
 
 
-def plan_hashes(data: Sequence[bytes], seed: int) -> list[tuple[int, int]] | np.ndarray:
-    """The items' hashes in the form ReadPlan plans them in: an array for a batch it plans
-    with numpy, tuples for a small one (hashing.item_hash(es))."""
-    if len(data) >= VECTOR_MIN:
-        return hashing.item_hashes(data, seed)
-    return [hashing.item_hash(d, seed) for d in data]
-
-
 class _Subfilter(NamedTuple):
     """What reading one sub-filter takes, derived from the layout alone."""
 
@@ -139,7 +130,7 @@ def _per_subfilter(layout: Layout) -> tuple[_Subfilter, ...]:
             _Subfilter(
                 reads,
                 int.from_bytes(layout.tag(n), "big", signed=True),
-                ("GET", "i64", (layout.string_bytes(n) - fmt.TAG_BYTES) * 8),
+                ("GET", "i64", (layout.string_bytes(n) - TAG_BYTES) * 8),
                 layout.buckets(n),
                 max(1, (MAX_GETS - 1) // (2 * len(reads.parts))),
             )
@@ -150,26 +141,20 @@ def _per_subfilter(layout: Layout) -> tuple[_Subfilter, ...]:
 class ReadPlan:
     """The commands answering ``lookup`` for a batch under one layout, and their check."""
 
-    def __init__(
-        self,
-        layout: Layout,
-        hashes: Sequence[tuple[int, int]] | np.ndarray,  # hashing.item_hash(es)
-        key: Callable[[int], str],
-        vector: bool | None = None,
-    ) -> None:
+    def __init__(self, layout: Layout, hashes: hashing.Hashes, key: Callable[[int], str]) -> None:
         self.layout = layout
         self.count = len(hashes)
-        self.vector = self.count >= VECTOR_MIN if vector is None else vector
+        self.vector = isinstance(hashes, np.ndarray)  # (n, 2) int64: planned with numpy
         self.subfilters = _per_subfilter(layout)
         self.commands: list[_Command] = []
         self._fps: list[np.ndarray] = []  # vector plans: fingerprints per sub-filter
-        if self.vector:
-            self._plan_vector(np.asarray(hashes, dtype=np.int64).reshape(-1, 2), key)
+        if isinstance(hashes, np.ndarray):
+            self._plan_vector(hashes, key)
         else:
-            self._plan_scalar(hashes.tolist() if isinstance(hashes, np.ndarray) else hashes, key)
+            self._plan_scalar(hashes, key)
 
     def _plan_scalar(self, hashes: Sequence[tuple[int, int]], key: Callable[[int], str]) -> None:
-        f0, b, base = self.layout.fp_bits, self.layout.bucket_size, fmt.HEADER_BYTES * 8
+        f0, b, base = self.layout.fp_bits, self.layout.bucket_size, HEADER_BYTES * 8
         items = []  # (h, fixed g, the mix giving the alternate bucket in every sub-filter)
         for h, g in hashes:
             g = hashing.fix_g(g, f0)
@@ -181,30 +166,28 @@ class ReadPlan:
                 args: list[object] = [key(n), *sub.tag_read]
                 fps = []
                 for h, g, mixed in items[start:stop]:
-                    i1 = h % m
+                    i1, i2 = hashing.buckets(h, mixed, m)
                     fps.append(hashing.fingerprint(g, f))
                     args += gets(base + i1 * b * f)
-                    args += gets(base + (mixed - i1) % m * b * f)  # hashing.alt_bucket
+                    args += gets(base + i2 * b * f)
                 self.commands.append(_Command(n, list(range(start, stop)), fps, args))
 
     def _plan_vector(self, hg: np.ndarray, key: Callable[[int], str]) -> None:
-        """guard/hashing.py's arithmetic on whole arrays (every value stays below 2**53)."""
+        """The same, on whole arrays (every value stays below 2**53)."""
         b, f0 = self.layout.bucket_size, self.layout.fp_bits
-        h, g = hg[:, 0], hg[:, 1]
-        g = np.where(g >> (32 - f0) == 0, g + (1 << (32 - f0)), g)  # hashing.fix_g
+        h, g = hg[:, 0], hashing.fix_g(hg[:, 1], f0)
         mixed = hashing.mix(hashing.fingerprint(g, f0))
         for n, sub in enumerate(self.subfilters):
             m, f, reads = sub.buckets, sub.reads.fp_bits, sub.reads
-            i1 = h % m
-            i2 = (mixed - i1) % m  # hashing.alt_bucket
+            i1, i2 = hashing.buckets(h, mixed, m)
             self._fps.append(hashing.fingerprint(g, f))
             # Per item, both buckets' reads in order, each as (GET, type, bit offset): a
             # repeated template whose every third entry is overwritten by the offsets.
             parts = len(reads.parts)
             offsets = np.empty((self.count, 2, parts), dtype=np.int64)
             for j, (first, _, _) in enumerate(reads.parts):
-                offsets[:, 0, j] = fmt.HEADER_BYTES * 8 + (i1 * b + first) * f
-                offsets[:, 1, j] = fmt.HEADER_BYTES * 8 + (i2 * b + first) * f
+                offsets[:, 0, j] = HEADER_BYTES * 8 + (i1 * b + first) * f
+                offsets[:, 1, j] = HEADER_BYTES * 8 + (i2 * b + first) * f
             unit = reads.gets(0) * 2  # one item's reads; its offsets are placeholders
             flat = unit * self.count
             flat[2::3] = offsets.ravel().tolist()

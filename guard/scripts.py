@@ -40,7 +40,6 @@ OK, STALE, FULL, NEEDKEYS, GAP, SOURCE = 0, 1, 2, 3, 4, 5
 _CODES: dict[str, type[GuardError]] = {
     "NOTFOUND": FilterNotFoundError,
     "EXISTS": FilterExistsError,
-    "CORRUPT": FilterCorruptError,
     "BADARG": InvalidParameterError,
 }
 _GUARD_REPLY = re.compile(r"GUARD_([A-Z]+) ?([^\n]*?)(?: script: .*)?$", re.S)
@@ -58,15 +57,17 @@ def register(client: Any) -> dict[str, Any]:
     return {name: client.register_script(source(name)) for name in PIECES}
 
 
-def map_error(exc: ResponseError, what: str) -> Exception:
-    """Turn a script's error reply into the library's exception (or leave it as it is)."""
+def map_error(exc: ResponseError, filter: str) -> Exception:
+    """Turn a script's error reply into the library's exception, with its fields (or leave
+    the reply as it is). A script can answer only with a string, "GUARD_<CODE> <reason>"
+    (guard/lua/_common.lua: guard_error): this is the one place that reads it."""
     text = str(exc)
     match = _GUARD_REPLY.search(text)
     if match:
-        cls, reason = _CODES.get(match.group(1), GuardError), match.group(2).strip()
-        if cls is FilterCorruptError:
-            return FilterCorruptError(what, reason)
-        return cls(f"{what}: {reason}")
+        code, reason = match.group(1), match.group(2).strip()
+        if code == "CORRUPT":
+            return FilterCorruptError(filter, reason)
+        return _CODES.get(code, GuardError)(f"{filter}: {reason}", filter=filter)
     if "WRONGTYPE" in text:  # Redis 7 puts it first; 6.2 after "Error running script ..."
-        return FilterCorruptError(what, "a key of the filter holds another type")
+        return FilterCorruptError(filter, "a key of the filter holds another type")
     return exc

@@ -6,23 +6,18 @@ still touches the keys of one slot only. An item's shard is bits 96..127 of its 
 (guard/hashing.py: ``shard_of``), which the bucket and fingerprint bits never use.
 
 Nothing here re-implements the filter: each operation runs the single filter's generators,
-one per shard, in lock step. The drivers send one round of every shard at once (asyncio:
-``gather``; sync: one pipeline, which a ``RedisCluster`` writes to every node before reading).
+one per shard, in lock step (guard/driver.py: ``lockstep``), and the handles are the single
+filter's too (guard/facade.py): every round of every shard goes out at once, the plain ones in
+one pipeline, which a ``RedisCluster`` writes to every node before reading any reply.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, Self
 
-from redis.exceptions import ResponseError
-
-from guard import bulk, scripts
-from guard import layout as fmt
-from guard.coalesce import LookupCoalescer
 from guard.errors import (
     FilterCorruptError,
     FilterExistsError,
@@ -31,27 +26,13 @@ from guard.errors import (
     GuardError,
     InvalidParameterError,
 )
-from guard.filter import (
-    DEFAULT_PREFIX,
-    MAX_RETRIES,
-    STAGING,
-    Command,
-    CuckooFilter,
-    FilterInfo,
-    Round,
-    SyncCuckooFilter,
-    _eval_args,
-    _FilterOps,
-    _plan,
-    _raise_first_error,
-    _unloaded,
-)
+from guard.facade import AsyncHandle, SyncHandle
+from guard.filter import FilterInfo, FilterOps
 from guard.hashing import shard_of, to_bytes
-
-MAX_SHARDS = fmt.MAX_SHARDS
-
-# One round per shard; each answer is the round's replies or the exception it raised.
-ShardOp = Generator[dict[int, Round], dict[int, Any], Any]
+from guard.layout import MAX_SHARDS, Stored, pack_header, probe_reads, unpack_header, verify_stored
+from guard.names import DEFAULT_PREFIX, STAGING
+from guard.ops import MAX_RETRIES, Command, Op, Round, lockstep
+from guard.params import FilterParams, Limit
 
 
 @dataclass(frozen=True)
@@ -76,14 +57,32 @@ def shard_capacity(capacity: int, shards: int) -> int:
     return min(capacity, math.ceil(share + 4 * math.sqrt(share)))
 
 
-class _ShardedOps:
-    """The sharded operations, as generators of per-shard rounds. Shared by both drivers."""
+SHARDS = Limit(1, MAX_SHARDS)
 
-    def __init__(self, name: str, shards: int, handles: list[_FilterOps]) -> None:
+
+class ShardedOps:
+    """The sharded operations, as generators of per-shard rounds; each shard's are a single
+    filter's (guard/filter.py: ``FilterOps``)."""
+
+    def __init__(
+        self,
+        redis: Any,
+        name: str,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        shards: int,
+        _variant: str = "",
+    ) -> None:
+        SHARDS.check("shards", shards)
+        self.redis = redis
         self.name = name
+        self.prefix = prefix
         self.shards = shards
-        self._handles = handles
+        self._handles = [
+            FilterOps(redis, name, prefix, _variant=_variant, _shard=i) for i in range(shards)
+        ]
         self._seed: int | None = None  # the routing seed, learned from the shards' headers
+        self._live: ShardedOps | None = None  # what a staging copy replaces when promoted
 
     def key(self, shard: int, n: int = 0) -> str:
         return self._handles[shard].key(n)
@@ -92,67 +91,40 @@ class _ShardedOps:
         """The cluster node (``host:port``) serving each shard, from the client's slot map;
         None per shard on a plain Redis. No I/O: shows whether the shards spread. (An asyncio
         RedisCluster knows its slot map after its first command.)"""
-        locate = getattr(getattr(self, "redis", None), "get_node_from_key", None)
+        locate = getattr(self.redis, "get_node_from_key", None)
         if locate is None:
             return [None] * self.shards
         return [str(locate(self.key(i)).name) for i in range(self.shards)]
 
-    # -- the lock-step runner ------------------------------------------------------------
+    def staging(self) -> Self:
+        """A handle on the staging copy: same shard count, same routing seed (taken from the
+        live filter when it is reserved), so ``promote()`` moves no item to another shard."""
+        stage = type(self)(self.redis, self.name, self.prefix, shards=self.shards, _variant=STAGING)
+        stage._live = self
+        return stage
 
-    def _fan(self, ops: dict[int, Generator[Round, list[Any], Any]]) -> ShardOp:
+    def _fan(self, ops: dict[int, Op[Any]]) -> Op[dict[int, Any]]:
         """Run one single-filter operation per shard; returns {shard: result or exception}."""
-        results: dict[int, Any] = {}
-        pending: dict[int, Round] = {}
-        for i, op in ops.items():
-            self._step(i, op, None, pending, results)
-        while pending:
-            answers = yield dict(pending)
-            current, pending = pending, {}
-            for i in current:
-                self._step(i, ops[i], answers[i], pending, results)
-        return results
+        return lockstep(ops, self._rerouted)
 
-    def _step(
-        self,
-        i: int,
-        op: Generator[Round, list[Any], Any],
-        answer: Any,
-        pending: dict[int, Round],
-        results: dict[int, Any],
-    ) -> None:
-        """Advance shard ``i``'s operation by one round (None: its first)."""
-        try:
-            if answer is None:
-                rnd = next(op)
-            elif isinstance(answer, BaseException):
-                rnd = op.throw(answer)
-            else:
-                rnd = op.send(answer)
-        except StopIteration as done:
-            results[i] = done.value
-            return
-        except Exception as exc:
-            results[i] = exc
-            return
-        layout = self._handles[i]._layout
+    def _rerouted(self, shard: int) -> BaseException | None:
         # A STALE reply wrote nothing; if it carried another seed, the filter was recreated
         # and this shard's items were routed with the old one: stop before anything is sent.
+        layout = self._handles[shard]._layout
         if self._seed is not None and layout.buckets0 and layout.seed != self._seed:
-            op.close()
-            results[i] = _Rerouted()
-            return
-        pending[i] = rnd
+            return _Rerouted()
+        return None
 
     # -- operations ----------------------------------------------------------------------
 
-    def _open_op(self) -> ShardOp:
+    def _open_op(self) -> Op[None]:
         """Read every shard's sub-filter 0: all present, verified (guard/layout.py), same
         seed, and made with this shard count. Read-only commands: fine on a replica."""
         answers = yield {
             i: Round(
                 [
                     Command("EXISTS", [h.key(0)]),
-                    *(Command(*read) for read in fmt.probe_reads(h.key(0))),
+                    *(Command(*read) for read in probe_reads(h.key(0))),
                     Command("EXISTS", [h.key(1)]),
                 ],
                 atomic=True,
@@ -166,18 +138,23 @@ class _ShardedOps:
         if not present:
             if any(answers[i][4] for i in range(self.shards)):  # sub-filters left: damage
                 raise FilterCorruptError(self.name, "every shard's sub-filter 0 is missing")
-            raise FilterNotFoundError(f"{self.name}: no such filter")
+            raise FilterNotFoundError(f"{self.name}: no such filter", filter=self.name)
         seeds, recorded = set(), set()
         for i in present:
-            stored = fmt.Stored(self.key(i), *answers[i][1:4])
-            seeds.add(fmt.verify_stored(self.name, [stored]).seed)
-            recorded.add(fmt.unpack_header(stored.header).shards)
+            stored = Stored(self.key(i), *answers[i][1:4])
+            seeds.add(verify_stored(self.name, [stored]).seed)
+            recorded.add(unpack_header(stored.header).shards)
         if len(recorded) > 1:
             raise FilterCorruptError(self.name, f"the shards record shard counts {recorded}")
         if recorded != {self.shards}:
+            count = recorded.pop()
             raise InvalidParameterError(
-                f"{self.name}: the filter has {recorded.pop()} shard(s); this handle was opened "
-                f"with shards={self.shards}"
+                f"{self.name}: the filter has {count} shard(s); this handle was opened "
+                f"with shards={self.shards}",
+                param="shards",
+                limit=str(count),
+                value=self.shards,
+                filter=self.name,
             )
         if len(present) < self.shards:
             missing = sorted(set(range(self.shards)) - set(present))
@@ -189,8 +166,8 @@ class _ShardedOps:
     def _items_op(
         self,
         items: Iterable[str | bytes],
-        make: Callable[[_FilterOps, list[bytes]], Generator[Round, list[Any], Any]],
-    ) -> ShardOp:
+        make: Callable[[FilterOps, list[bytes]], Op[list[Any]]],
+    ) -> Op[list[Any]]:
         """Route items to their shards, run ``make`` per shard, put the answers back in order."""
         data = [to_bytes(x) for x in items]
         out: list[Any] = [None] * len(data)
@@ -234,17 +211,39 @@ class _ShardedOps:
                 self._seed = None  # re-read the headers, then route the moved items again
                 todo.sort()
         if todo:
-            raise GuardError(f"{self.name}: the filter kept being recreated during the call")
+            raise GuardError(
+                f"{self.name}: the filter kept being recreated during the call", filter=self.name
+            )
         if full:
             added = sum(bool(r) for r in out)
             raise FilterFullError(
                 f"filter {self.name!r}: {len(full)} shard(s) full ({added} of {len(data)} "
                 "items added)",
                 [bool(r) for r in out],
+                filter=self.name,
             )
         return out
 
-    def _reserve_op(self, capacity: int, params: dict[str, Any]) -> ShardOp:
+    def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op[list[bool]]:
+        results = yield from self._items_op(items, lambda h, d: h._insert_op(d, unique))
+        return [bool(r) for r in results]
+
+    def _lookup_op(self, data: list[bytes]) -> Op[list[bool]]:
+        return self._items_op(data, lambda h, d: h._lookup_op(d))
+
+    def _batch_op(self, script: str, items: Iterable[str | bytes]) -> Op[list[Any]]:
+        return self._items_op(items, lambda h, d: h._batch_op(script, d))
+
+    def _exists_op(self) -> Op[bool]:
+        return self._handles[0]._exists_op()
+
+    def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[ShardedFilterInfo]:
+        if applied or source:
+            raise InvalidParameterError(
+                "a sharded filter follows no change log: reserve() takes no applied or source",
+                param="applied" if applied else "source",
+                filter=self.name,
+            )
         answers = yield {
             i: Round([Command("EXISTS", [h.key(0)])]) for i, h in enumerate(self._handles)
         }
@@ -252,26 +251,30 @@ class _ShardedOps:
             if isinstance(answer, BaseException):
                 raise answer
         if any(answer[0] for answer in answers.values()):
-            raise FilterExistsError(f"{self.name}: filter exists")
-        params = dict(params)
-        if params.get("seed") is None:
-            params["seed"] = yield from self._seed_to_keep()
-        per_shard = shard_capacity(capacity, self.shards)
-        layout = _plan(per_shard, **params)  # validates everything before any write
+            raise FilterExistsError(f"{self.name}: filter exists", filter=self.name)
+        seed = params.seed
+        if seed is None:
+            seed = yield from self._seed_to_keep()
+        per_shard = replace(params, capacity=shard_capacity(params.capacity, self.shards))
+        layout = replace(per_shard, seed=seed).layout()  # one seed (and layout) for all shards
         self._seed = layout.seed
+        header = pack_header(layout, per_shard.capacity, params.error_rate, self.shards)
         results = yield from self._fan(
-            {
-                i: h._reserve_op(layout, per_shard, params.get("error_rate"), self.shards)
-                for i, h in enumerate(self._handles)
-            }
+            {i: h._create_op(layout, header) for i, h in enumerate(self._handles)}
         )
         return self._combine(results)
 
-    def _seed_to_keep(self) -> Generator[dict[int, Round], dict[int, Any], int | None]:
-        return None
-        yield {}  # a generator; a staging copy overrides it
+    def _seed_to_keep(self) -> Op[int | None]:
+        """A staging copy takes the live filter's seed, when there is a live filter."""
+        if self._live is None:
+            return None
+        try:
+            yield from self._live._open_op()
+        except FilterNotFoundError:
+            return None
+        return self._live._seed
 
-    def _info_op(self) -> ShardOp:
+    def _info_op(self) -> Op[ShardedFilterInfo]:
         yield from self._open_op()  # info is not hot: re-check the shard count every time
         results = yield from self._fan({i: h._info_op() for i, h in enumerate(self._handles)})
         return self._combine(results)
@@ -280,7 +283,9 @@ class _ShardedOps:
         for i in range(self.shards):
             if isinstance(results[i], _Rerouted):
                 self._seed = None
-                raise GuardError(f"{self.name}: the filter was recreated during info")
+                raise GuardError(
+                    f"{self.name}: the filter was recreated during info", filter=self.name
+                )
             if isinstance(results[i], BaseException):
                 raise results[i]
         infos: list[FilterInfo] = [results[i] for i in range(self.shards)]
@@ -308,7 +313,7 @@ class _ShardedOps:
             per_shard=tuple(infos),
         )
 
-    def _drop_op(self) -> ShardOp:
+    def _drop_op(self) -> Op[bool]:
         results = yield from self._fan({i: h._drop_op() for i, h in enumerate(self._handles)})
         self._seed = None
         for r in results.values():
@@ -316,13 +321,18 @@ class _ShardedOps:
                 raise r
         return any(results.values())
 
-    def _promote_op(self, live: _ShardedOps) -> ShardOp:
+    def _promote_op(self) -> Op[bool]:
+        live = self._live
+        if live is None:
+            raise InvalidParameterError(
+                "promote() is for a staging copy (see staging())", filter=self.name
+            )
         # Each shard is replaced atomically; the staging copy keeps the live seed (see
         # _seed_to_keep), so an item routes to the same shard in the old and the new copy and
         # a lookup between two shards' promotes still finds it.
         yield from self._open_op()
         results = yield from self._fan(
-            {i: h._promote_op(live._handles[i]) for i, h in enumerate(self._handles)}
+            {i: h._replace_op(live._handles[i]) for i, h in enumerate(self._handles)}
         )
         for r in results.values():
             if isinstance(r, BaseException):
@@ -331,26 +341,7 @@ class _ShardedOps:
         return True
 
 
-class _StagingMixin(_ShardedOps):
-    _live: _ShardedOps
-
-    def _seed_to_keep(self) -> Generator[dict[int, Round], dict[int, Any], int | None]:
-        try:
-            yield from self._live._open_op()
-        except FilterNotFoundError:
-            return None
-        return self._live._seed
-
-
-def _check_shards(shards: object) -> int:
-    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
-        raise InvalidParameterError(
-            f"shards must be an integer from 1 to {MAX_SHARDS}, got {shards!r}"
-        )
-    return shards
-
-
-class ShardedCuckooFilter(_ShardedOps):
+class ShardedCuckooFilter(AsyncHandle[ShardedFilterInfo], ShardedOps):
     """A filter spread over ``shards`` hash tags, over ``redis.asyncio`` (Redis or
     RedisCluster); creating the handle does no I/O. Same methods as ``CuckooFilter``."""
 
@@ -364,250 +355,12 @@ class ShardedCuckooFilter(_ShardedOps):
         coalesce: bool = True,
         _variant: str = "",
     ) -> None:
-        shards = _check_shards(shards)
-        handles: list[_FilterOps] = [
-            CuckooFilter(redis, name, prefix, coalesce=False, _variant=_variant, _shard=i)
-            for i in range(shards)
-        ]
-        super().__init__(name, shards, handles)
-        self.redis = redis
-        self.prefix = prefix
-        self._coalescer = LookupCoalescer(self._lookup_now) if coalesce else None
-
-    async def _run(self, op: ShardOp) -> Any:
-        try:
-            rounds = next(op)
-            while True:
-                order = list(rounds)
-                answers = await asyncio.gather(*(self._execute(i, rounds[i]) for i in order))
-                rounds = op.send(dict(zip(order, answers, strict=True)))
-        except StopIteration as done:
-            return done.value
-
-    async def _execute(self, shard: int, rnd: Round) -> Any:
-        handle = self._handles[shard]
-        assert isinstance(handle, CuckooFilter)
-        try:
-            return await handle._execute(rnd)
-        except Exception as exc:  # goes back into the shard's operation
-            return exc
-
-    async def _lookup_now(self, data: list[bytes]) -> list[bool]:
-        result: list[bool] = await self._run(self._items_op(data, lambda h, d: h._lookup_op(d)))
-        return result
-
-    def staging(self) -> ShardedCuckooFilter:
-        stage = _AsyncStaging(
-            self.redis,
-            self.name,
-            self.prefix,
-            shards=self.shards,
-            coalesce=False,
-            _variant=STAGING,
-        )
-        stage._live = self
-        return stage
-
-    async def reserve(self, capacity: int, **params: Any) -> ShardedFilterInfo:
-        """Create the filter: ``capacity`` in total, the other parameters as
-        ``CuckooFilter.reserve``; each shard gets capacity / shards plus headroom."""
-        return await self._run(self._reserve_op(capacity, params))
-
-    async def bulk_load(
-        self, items: Any, capacity: int | None = None, **options: Any
-    ) -> ShardedFilterInfo:
-        """Make the filter from ``items`` in one build, shard by shard: see
-        guard/bulk.py:bulk_load (``capacity`` is the total, as for reserve)."""
-        return await bulk.abulk_load(
-            self, items, capacity, plan=_plan, share=shard_capacity, **options
-        )
-
-    async def insert(self, item: str | bytes) -> bool:
-        return (await self.insert_many([item]))[0]
-
-    async def insert_unique(self, item: str | bytes) -> bool:
-        return (await self.insert_many([item], unique=True))[0]
-
-    async def insert_many(self, items: Iterable[str | bytes], unique: bool = False) -> list[bool]:
-        op = self._items_op(items, lambda h, d: h._insert_op(d, unique))
-        return [bool(r) for r in await self._run(op)]
-
-    async def lookup(self, item: str | bytes) -> bool:
-        return (await self.lookup_many([item]))[0]
-
-    async def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        data = [to_bytes(x) for x in items]
-        if self._coalescer is None:
-            return await self._lookup_now(data)
-        return await self._coalescer.lookup_many(data)
-
-    async def count(self, item: str | bytes) -> int:
-        op = self._items_op([item], lambda h, d: h._batch_op("count", d))
-        return int((await self._run(op))[0])
-
-    async def delete(self, item: str | bytes) -> bool:
-        return (await self.delete_many([item]))[0]
-
-    async def delete_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        op = self._items_op(items, lambda h, d: h._batch_op("delete", d))
-        return [bool(r) for r in await self._run(op)]
-
-    async def info(self) -> ShardedFilterInfo:
-        return await self._run(self._info_op())
-
-    async def exists(self) -> bool:
-        return bool(await self.redis.exists(self.key(0)))
-
-    async def drop(self) -> bool:
-        return await self._run(self._drop_op())
-
-    async def promote(self) -> bool:
-        """Replace the live filter by this staging copy, shard by shard (each atomically)."""
-        live = getattr(self, "_live", None)
-        if live is None:
-            raise InvalidParameterError("promote() is for a staging copy (see staging())")
-        return await self._run(self._promote_op(live))
+        super().__init__(redis, name, prefix, shards=shards, _variant=_variant)
+        self._start(coalesce)
 
 
-class _AsyncStaging(_StagingMixin, ShardedCuckooFilter):
-    pass
-
-
-class SyncShardedCuckooFilter(_ShardedOps):
+class SyncShardedCuckooFilter(SyncHandle[ShardedFilterInfo], ShardedOps):
     """The sharded filter over a blocking ``redis.Redis`` or ``redis.cluster.RedisCluster``."""
-
-    def __init__(
-        self,
-        redis: Any,
-        name: str,
-        prefix: str = DEFAULT_PREFIX,
-        *,
-        shards: int,
-        _variant: str = "",
-    ) -> None:
-        shards = _check_shards(shards)
-        handles: list[_FilterOps] = [
-            SyncCuckooFilter(redis, name, prefix, _variant=_variant, _shard=i)
-            for i in range(shards)
-        ]
-        super().__init__(name, shards, handles)
-        self.redis = redis
-        self.prefix = prefix
-
-    def _run(self, op: ShardOp) -> Any:
-        try:
-            rounds = next(op)
-            while True:
-                rounds = op.send(self._execute_all(rounds))
-        except StopIteration as done:
-            return done.value
-
-    def _execute_all(self, rounds: dict[int, Round]) -> dict[int, Any]:
-        """Every shard's round; the plain ones share one pipeline (on a cluster, redis-py
-        writes each node's share before reading any reply, so the nodes work in parallel)."""
-        answers: dict[int, Any] = {}
-        shared = [i for i, r in rounds.items() if not r.atomic]
-        alone = [i for i in rounds if i not in shared or len(shared) == 1]
-        if len(shared) > 1:
-            answers.update(self._pipelined({i: rounds[i] for i in shared}))
-        for i in alone:
-            handle = self._handles[i]
-            assert isinstance(handle, SyncCuckooFilter)
-            try:
-                answers[i] = handle._execute(rounds[i])
-            except Exception as exc:
-                answers[i] = exc
-        return answers
-
-    def _pipelined(self, rounds: dict[int, Round]) -> dict[int, Any]:
-        calls = [(i, c) for i, r in rounds.items() for c in r.calls]
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            for i, c in calls:
-                handle = self._handles[i]
-                assert isinstance(handle, SyncCuckooFilter)
-                handle._send(c, pipe)
-            replies = pipe.execute(raise_on_error=False)
-            # NOSCRIPT (a cluster pipeline does not preload scripts, or a SCRIPT FLUSH raced
-            # the preload): those calls did nothing, so they alone are sent again as EVAL.
-            for k in _unloaded(replies):
-                replies[k] = self.redis.execute_command(*_eval_args(calls[k][1]))
-        except ResponseError as exc:
-            error = scripts.map_error(exc, self.name)
-            return {i: error for i in rounds}
-        except Exception as exc:
-            return {i: exc for i in rounds}
-        answers: dict[int, Any] = {}
-        start = 0
-        for i, r in rounds.items():
-            part = replies[start : start + len(r.calls)]
-            start += len(r.calls)
-            try:
-                answers[i] = _raise_first_error(part, self.name)
-            except Exception as exc:
-                answers[i] = exc
-        return answers
-
-    def staging(self) -> SyncShardedCuckooFilter:
-        stage = _SyncStaging(
-            self.redis, self.name, self.prefix, shards=self.shards, _variant=STAGING
-        )
-        stage._live = self
-        return stage
-
-    def reserve(self, capacity: int, **params: Any) -> ShardedFilterInfo:
-        return self._run(self._reserve_op(capacity, params))
-
-    def bulk_load(
-        self, items: Any, capacity: int | None = None, **options: Any
-    ) -> ShardedFilterInfo:
-        """Make the filter from ``items`` in one build: see guard/bulk.py:bulk_load."""
-        return bulk.bulk_load(self, items, capacity, plan=_plan, share=shard_capacity, **options)
-
-    def insert(self, item: str | bytes) -> bool:
-        return self.insert_many([item])[0]
-
-    def insert_unique(self, item: str | bytes) -> bool:
-        return self.insert_many([item], unique=True)[0]
-
-    def insert_many(self, items: Iterable[str | bytes], unique: bool = False) -> list[bool]:
-        op = self._items_op(items, lambda h, d: h._insert_op(d, unique))
-        return [bool(r) for r in self._run(op)]
-
-    def lookup(self, item: str | bytes) -> bool:
-        return self.lookup_many([item])[0]
-
-    def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        return [bool(r) for r in self._run(self._items_op(items, lambda h, d: h._lookup_op(d)))]
-
-    def count(self, item: str | bytes) -> int:
-        return int(self._run(self._items_op([item], lambda h, d: h._batch_op("count", d)))[0])
-
-    def delete(self, item: str | bytes) -> bool:
-        return self.delete_many([item])[0]
-
-    def delete_many(self, items: Iterable[str | bytes]) -> list[bool]:
-        op = self._items_op(items, lambda h, d: h._batch_op("delete", d))
-        return [bool(r) for r in self._run(op)]
-
-    def info(self) -> ShardedFilterInfo:
-        return self._run(self._info_op())
-
-    def exists(self) -> bool:
-        return bool(self.redis.exists(self.key(0)))
-
-    def drop(self) -> bool:
-        return self._run(self._drop_op())
-
-    def promote(self) -> bool:
-        live = getattr(self, "_live", None)
-        if live is None:
-            raise InvalidParameterError("promote() is for a staging copy (see staging())")
-        return self._run(self._promote_op(live))
-
-
-class _SyncStaging(_StagingMixin, SyncShardedCuckooFilter):
-    pass
 
 
 __all__ = ["ShardedCuckooFilter", "ShardedFilterInfo", "SyncShardedCuckooFilter", "shard_capacity"]

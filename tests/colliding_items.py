@@ -4,8 +4,8 @@ library's own hashing for a known seed."""
 from __future__ import annotations
 
 from guard import hashing
-from guard.filter import plan_layout
 from guard.layout import Layout
+from guard.params import FilterParams
 
 # A small, fixed-size, seeded filter: 8-bit fingerprints make a collision quick to find.
 PARAMS: dict[str, int] = {"fingerprint_bits": 8, "bucket_size": 4, "expansion": 0, "seed": 7}
@@ -13,12 +13,7 @@ CAPACITY = 1000
 
 
 def layout() -> Layout:
-    return plan_layout(
-        CAPACITY,
-        error_rate=None,
-        max_kicks=500,
-        **PARAMS,  # type: ignore[arg-type]
-    )
+    return FilterParams(capacity=CAPACITY, **PARAMS).layout()
 
 
 def colliding_pair(lay: Layout | None = None) -> tuple[str, str]:

@@ -53,7 +53,7 @@ def repeatable_seeds(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     positives changes on every run: a test asserting "absent" would fail about once in
     10,000 runs per probe, never reproducibly. Seeds drawn from the test's name make every
     run see the same filters; tests that want a spread of seeds give them (hypothesis)."""
-    monkeypatch.setattr("guard.filter.secrets", _SeedsFromTestName(request.node.nodeid))
+    monkeypatch.setattr("guard.params.secrets", _SeedsFromTestName(request.node.nodeid))
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,17 @@ from guard import layout as fmt
 from guard.changes import Change
 from guard.layout import Layout
 
+P31 = 2147483647
+
+
+def lehmer_next(state: int) -> int:
+    """The kick chain's victim generator (seeded per item; _common.lua's, reproduced)."""
+    return (state * 48271) % P31
+
+
+def lehmer_seed(h: int, g: int) -> int:
+    return (h + g) % (P31 - 1) + 1
+
 
 class SourceMismatch(Exception):
     """The filter follows another change log (the library raises ChangeSourceError)."""
@@ -119,11 +130,11 @@ class ReferenceFilter:
         t = list(self.tables[n])  # kicks work on a copy: a failed chain leaves no trace
         m = lay.buckets(n)
         fp, i1, i2 = self._item_at(h, g, n)
-        st = hashing.lehmer_next(hashing.lehmer_seed(h, g))
+        st = lehmer_next(lehmer_seed(h, g))
         i = i1 if st % 2 == 0 else i2
         shift = lay.fp_bits_at(n) - lay.fp_bits
         for _ in range(lay.max_kicks):
-            st = hashing.lehmer_next(st)
+            st = lehmer_next(st)
             k = i * lay.bucket_size + st % lay.bucket_size
             t[k], fp = fp, t[k]
             i = hashing.alt_bucket(i, fp >> shift, m)

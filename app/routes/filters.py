@@ -6,9 +6,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from app import errors
+from app import errors, openapi
 from app.deps import (
     AdminFilterDep,
     Auth,
@@ -16,6 +16,7 @@ from app.deps import (
     FilterName,
     FiltersDep,
     IdempotencyDep,
+    ItemPath,
     ReadAuth,
     RecordsDep,
     RedisDep,
@@ -27,16 +28,21 @@ from app.deps import (
     filter_handle,
 )
 from app.errors import BadInput, Conflict
-from app.idempotency import HEADER, fingerprint
+from app.idempotency import HEADER, KEY_PATTERN, request_hash
+from app.openapi import LIMIT_KEY, param_field
 from app.records import RebuildInProgress
-from guard import FilterInfo, FilterNotFoundError
+from guard import FilterInfo, FilterNotFoundError, FilterParams
 from guard.listing import read_filters
 
 router = APIRouter(prefix="/filters", tags=["filters"])
 
 IdemKey = Annotated[
     str | None,
-    Header(alias=HEADER, description="Retries with the same key run once; the answer is replayed"),
+    Header(
+        alias=HEADER,
+        description="Retries with the same key run once; the answer is replayed",
+        json_schema_extra={"pattern": KEY_PATTERN.pattern},  # checked by Idempotency.run
+    ),
 ]
 
 
@@ -47,31 +53,47 @@ class FilterList(BaseModel):
     )
 
 
+def _whole(value: object) -> object:
+    # JSON has one number type: 16.0 is the integer 16 to JSON Schema, so to this API.
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+Whole = Annotated[int, BeforeValidator(_whole)]
+
+
 class ReserveIn(BaseModel):
-    # strict: true is no capacity, nor "5" a bucket size. No NaN or Infinity (Python's json
-    # reads them): they would slip past the bounds below.
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    """guard's FilterParams as a request body (but the seed): defaults, limits and help come
+    from it, and it checks the values (a 422 naming the field), so what this schema states is
+    what the library enforces."""
 
-    capacity: int = Field(ge=1, description="Items the filter must hold (limit GUARD_MAX_CAPACITY)")
-    # ge=1e-12: far below what 32-bit fingerprints reach, and keeps the library's sizing
-    # arithmetic finite (a denormal like 5e-324 made it overflow into a 500).
-    error_rate: float | None = Field(None, ge=1e-12, lt=1, description="Target false-positive rate")
-    fingerprint_bits: int | None = Field(None, description="Instead of error_rate")
-    bucket_size: int = 4
-    max_kicks: int = 500
-    expansion: int = Field(2, description="Growth factor when full; 0 = fixed size")
+    # strict: true is no capacity, nor "5" a bucket size (but 16.0 is 16: see Whole). No NaN
+    # or Infinity (Python's json reads them): they would slip past the bounds.
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        allow_inf_nan=False,
+        json_schema_extra=openapi.reserve_rules(),
+    )
 
-    @model_validator(mode="after")
-    def _one_of(self) -> ReserveIn:
-        if self.error_rate is not None and self.fingerprint_bits is not None:
-            raise ValueError("give error_rate or fingerprint_bits, not both")
-        return self
+    # Also at most GUARD_MAX_CAPACITY (create checks it; the schema states it).
+    capacity: Whole = param_field("capacity", **{LIMIT_KEY: "max_capacity"})
+    error_rate: float | None = param_field("error_rate")
+    fingerprint_bits: Whole | None = param_field("fingerprint_bits")
+    bucket_size: Whole = param_field("bucket_size")
+    max_kicks: Whole = param_field("max_kicks")
+    expansion: Whole = param_field("expansion")
 
 
 class ItemsIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    items: list[str] = Field(description="1-GUARD_MAX_BATCH strings of 1-GUARD_MAX_ITEM_BYTES")
+    # check_items enforces what the schema states: at most GUARD_MAX_BATCH items, each
+    # 1-GUARD_MAX_ITEM_BYTES bytes of UTF-8.
+    items: list[Annotated[str, Field(json_schema_extra={LIMIT_KEY: "item"})]] = Field(
+        description="At most GUARD_MAX_BATCH strings", json_schema_extra={LIMIT_KEY: "max_batch"}
+    )
 
 
 class Results(BaseModel):
@@ -99,7 +121,7 @@ def _info(info: Any) -> dict[str, Any]:
     "",
     response_model=FilterList,
     dependencies=[ReadAuth],
-    responses={**errors.UNAUTHORIZED, **errors.UNAVAILABLE},
+    responses={**openapi.UNAUTHORIZED, **openapi.UNAVAILABLE},
 )
 async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
     """Every filter with its info; damaged ones by name only."""
@@ -113,11 +135,11 @@ async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
     response_model=FilterInfo,
     dependencies=[Auth],
     responses={
-        **errors.UNAUTHORIZED,
-        **errors.CONFLICT,
-        **errors.TOO_LARGE,
-        **errors.COMMON,
-        **errors.IN_DOUBT,
+        **openapi.UNAUTHORIZED,
+        **openapi.CONFLICT,
+        **openapi.TOO_LARGE,
+        **openapi.COMMON,
+        **openapi.IN_DOUBT,
     },
 )
 async def create(body: ReserveIn, cf: AdminFilterDep, settings: SettingsDep) -> Any:
@@ -127,14 +149,7 @@ async def create(body: ReserveIn, cf: AdminFilterDep, settings: SettingsDep) -> 
     async with errors.in_doubt_on_timeout(
         f"creating filter {cf.name!r}", f"GET /filters/{cf.name} tells (a retry answers 409 if so)"
     ):
-        info = await cf.reserve(
-            body.capacity,
-            error_rate=body.error_rate,
-            fingerprint_bits=body.fingerprint_bits,
-            bucket_size=body.bucket_size,
-            max_kicks=body.max_kicks,
-            expansion=body.expansion,
-        )
+        info = await cf.reserve(FilterParams(**body.model_dump()))
     return _info(info)
 
 
@@ -142,7 +157,7 @@ async def create(body: ReserveIn, cf: AdminFilterDep, settings: SettingsDep) -> 
     "/{name}",
     response_model=FilterInfo,
     dependencies=[ReadAuth],
-    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.COMMON},
+    responses={**openapi.UNAUTHORIZED, **openapi.NOT_FOUND, **openapi.COMMON},
 )
 async def get(cf: FilterDep) -> Any:
     """A filter's info."""
@@ -153,13 +168,7 @@ async def get(cf: FilterDep) -> Any:
     "/{name}",
     status_code=204,
     dependencies=[Auth],
-    responses={
-        **errors.UNAUTHORIZED,
-        **errors.NOT_FOUND,
-        **errors.CONFLICT,
-        **errors.COMMON,
-        **errors.IN_DOUBT,
-    },
+    responses={**openapi.CHANGE},
 )
 async def drop(cf: AdminFilterDep) -> Response:
     """Delete a filter and everything in it."""
@@ -176,15 +185,7 @@ async def drop(cf: AdminFilterDep) -> Response:
     "/{name}/add",
     response_model=Results,
     dependencies=[Auth],
-    responses={
-        **errors.UNAUTHORIZED,
-        **errors.NOT_FOUND,
-        **errors.CONFLICT,
-        **errors.TOO_LARGE,
-        **errors.FULL,
-        **errors.COMMON,
-        **errors.IN_DOUBT,
-    },
+    responses={**openapi.CHANGE, **openapi.TOO_LARGE, **openapi.FULL},
 )
 async def add(
     body: ItemsIn,
@@ -203,7 +204,7 @@ async def add(
     async def op() -> JSONResponse:
         return JSONResponse({"results": await cf.insert_many(body.items)})
 
-    fp = fingerprint("POST", request.url.path, body.model_dump())
+    fp = request_hash("POST", request.url.path, body.model_dump())
     return await idem.run(cf.name, idempotency_key, fp, op)
 
 
@@ -211,7 +212,7 @@ async def add(
     "/{name}/check",
     response_model=Results,
     dependencies=[ReadAuth],
-    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.TOO_LARGE, **errors.COMMON},
+    responses={**openapi.UNAUTHORIZED, **openapi.NOT_FOUND, **openapi.TOO_LARGE, **openapi.COMMON},
 )
 async def check(body: ItemsIn, cf: FilterDep, settings: SettingsDep) -> Any:
     """Which items are probably present (False is certain, True may be a false positive)."""
@@ -223,14 +224,7 @@ async def check(body: ItemsIn, cf: FilterDep, settings: SettingsDep) -> Any:
     "/{name}/delete",
     response_model=Results,
     dependencies=[Auth],
-    responses={
-        **errors.UNAUTHORIZED,
-        **errors.NOT_FOUND,
-        **errors.CONFLICT,
-        **errors.TOO_LARGE,
-        **errors.COMMON,
-        **errors.IN_DOUBT,
-    },
+    responses={**openapi.CHANGE, **openapi.TOO_LARGE},
 )
 async def delete_items(
     body: ItemsIn,
@@ -247,7 +241,7 @@ async def delete_items(
     async def op() -> JSONResponse:
         return JSONResponse({"results": await cf.delete_many(body.items)})
 
-    fp = fingerprint("POST", request.url.path, body.model_dump())
+    fp = request_hash("POST", request.url.path, body.model_dump())
     return await idem.run(cf.name, idempotency_key, fp, op)
 
 
@@ -255,13 +249,7 @@ async def delete_items(
     "/{name}/rebuild",
     response_model=FilterInfo,
     dependencies=[Auth],
-    responses={
-        **errors.UNAUTHORIZED,
-        **errors.NOT_FOUND,
-        **errors.CONFLICT,
-        **errors.COMMON,
-        **errors.IN_DOUBT,
-    },
+    responses={**openapi.CHANGE},
 )
 async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
     """Rebuild a table-backed filter from its table, swapping it in atomically. 409 for a
@@ -284,17 +272,10 @@ async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
     status_code=201,
     response_model=Added,
     dependencies=[Auth],
-    responses={
-        **errors.UNAUTHORIZED,
-        **errors.NOT_FOUND,
-        **errors.CONFLICT,
-        **errors.FULL,
-        **errors.COMMON,
-        **errors.IN_DOUBT,
-    },
+    responses={**openapi.CHANGE, **openapi.FULL},
 )
 async def put_item(
-    item: str,
+    item: ItemPath,
     request: Request,
     cf: WritableFilterDep,
     settings: SettingsDep,
@@ -314,16 +295,16 @@ async def put_item(
         await cf.insert(item)
         return JSONResponse({"added": True}, status_code=201)
 
-    return await idem.run(cf.name, idempotency_key, fingerprint("PUT", request.url.path, None), op)
+    return await idem.run(cf.name, idempotency_key, request_hash("PUT", request.url.path, None), op)
 
 
 @router.get(
     "/{name}/items/{item:path}",
     response_model=Exists,
     dependencies=[ReadAuth],
-    responses={**errors.UNAUTHORIZED, **errors.NOT_FOUND, **errors.COMMON},
+    responses={**openapi.UNAUTHORIZED, **openapi.NOT_FOUND, **openapi.COMMON},
 )
-async def get_item(item: str, name: FilterName, request: Request) -> Any:
+async def get_item(item: ItemPath, name: FilterName, request: Request) -> Any:
     """Whether one item is probably present."""
     # The busiest route solves no dependencies: FastAPI spends about 10 µs on each, and the
     # three it had (filter, handles, settings) took longer than the lookup itself.
@@ -335,16 +316,10 @@ async def get_item(item: str, name: FilterName, request: Request) -> Any:
     "/{name}/items/{item:path}",
     response_model=Deleted,
     dependencies=[Auth],
-    responses={
-        **errors.UNAUTHORIZED,
-        **errors.NOT_FOUND,
-        **errors.CONFLICT,
-        **errors.COMMON,
-        **errors.IN_DOUBT,
-    },
+    responses={**openapi.CHANGE},
 )
 async def delete_item(
-    item: str,
+    item: ItemPath,
     request: Request,
     cf: WritableFilterDep,
     settings: SettingsDep,
@@ -357,5 +332,5 @@ async def delete_item(
     async def op() -> JSONResponse:
         return JSONResponse({"deleted": await cf.delete(item)})
 
-    fp = fingerprint("DELETE", request.url.path, None)
+    fp = request_hash("DELETE", request.url.path, None)
     return await idem.run(cf.name, idempotency_key, fp, op)

@@ -8,13 +8,13 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app import errors
-from app.deps import Auth, RecordsDep, SettingsDep, check_item
+from app import openapi
+from app.deps import Auth, ItemPath, RecordsDep, SettingsDep, check_item
 from app.errors import finite_json
 
 router = APIRouter(prefix="/records", tags=["records"])
 
-NOT_FOUND: errors.Responses = {404: {"model": errors.ErrorBody, "description": "No such record"}}
+NOT_FOUND: openapi.Responses = {404: {"model": openapi.ErrorBody, "description": "No such record"}}
 
 
 class RecordIn(BaseModel):
@@ -43,11 +43,13 @@ class RecordOut(BaseModel):
     response_model=RecordOut,
     responses={
         **NOT_FOUND,
-        **errors.INVALID,
-        503: {"model": errors.ErrorBody, "description": "Guard filter unavailable (fail closed)"},
+        **openapi.INVALID,
+        503: {"model": openapi.ErrorBody, "description": "Guard filter unavailable (fail closed)"},
     },
 )
-async def get_record(key: str, request: Request, records: RecordsDep, settings: SettingsDep) -> Any:
+async def get_record(
+    key: ItemPath, request: Request, records: RecordsDep, settings: SettingsDep
+) -> Any:
     """A record. The guard middleware answers 404 (`X-Guard: blocked`) for keys the filter has
     never seen, before the database is asked."""
     check_item(key, settings, ("path", "key"))
@@ -65,13 +67,15 @@ async def get_record(key: str, request: Request, records: RecordsDep, settings: 
     dependencies=[Auth],
     responses={
         200: {"model": RecordOut, "description": "Replaced an existing record"},
-        **errors.UNAUTHORIZED,
-        **errors.TOO_LARGE,
-        **errors.FULL,
-        **errors.COMMON,
+        **openapi.UNAUTHORIZED,
+        **openapi.TOO_LARGE,
+        **openapi.FULL,
+        **openapi.COMMON,
     },
 )
-async def put_record(key: str, body: RecordIn, records: RecordsDep, settings: SettingsDep) -> Any:
+async def put_record(
+    key: ItemPath, body: RecordIn, records: RecordsDep, settings: SettingsDep
+) -> Any:
     """Create (201) or replace (200) a record. A new key enters the filter before the row
     becomes visible. A value with a non-finite number (NaN, Infinity) is refused with 422
     before anything is written; a write that fails later rolls back both the row and the
@@ -85,9 +89,9 @@ async def put_record(key: str, body: RecordIn, records: RecordsDep, settings: Se
     "/{key}",
     status_code=204,
     dependencies=[Auth],
-    responses={**NOT_FOUND, **errors.UNAUTHORIZED, **errors.COMMON},
+    responses={**NOT_FOUND, **openapi.UNAUTHORIZED, **openapi.COMMON},
 )
-async def delete_record(key: str, records: RecordsDep, settings: SettingsDep) -> Response:
+async def delete_record(key: ItemPath, records: RecordsDep, settings: SettingsDep) -> Response:
     """Delete a record; its key leaves the filter only once the database deleted a row."""
     check_item(key, settings, ("path", "key"))
     if not await records.delete(key):

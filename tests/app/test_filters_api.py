@@ -535,12 +535,12 @@ class TestIdempotency:
         assert r.status_code == 422
 
     async def test_pending_same_request_waits_then_409(self, start: StartService) -> None:
-        from app.idempotency import fingerprint
+        from app.idempotency import request_hash
 
         svc = await start(idempotency_wait=0.2)
         await create(svc)
         idem = svc.state["idempotency"]
-        fp = fingerprint("POST", "/filters/users/add", {"items": ["a"]})
+        fp = request_hash("POST", "/filters/users/add", {"items": ["a"]})
         await svc.redis.set(
             idem._key("users", "k7"), f'{{"state": "pending", "fp": "{fp}", "token": "t"}}'
         )

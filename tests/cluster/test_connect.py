@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import redis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
+from typer.testing import CliRunner
 
+from app.cli import common
+from app.cli.common import cli
 from devkit.cluster import LocalCluster
+from devkit.keys import delete_prefixed
 from devkit.redis_server import RedisProcess
 from guard import InvalidParameterError, SyncCuckooFilter
 from guard.connect import connect, connect_async, is_cluster_url, split_cluster_url
@@ -73,6 +80,36 @@ class TestClients:
         await client.aclose()
 
 
+@contextmanager
+def a_busy_server() -> Iterator[tuple[str, Callable[[], Any]]]:
+    """A redis-server of the test's own (a busy script blocks every client of a server), and
+    a way to hold it busy for 2 s."""
+    server = RedisProcess.start()
+    busy = redis.Redis.from_url(server.url)
+    try:
+        yield server.url, lambda: busy.eval(HOLD_SERVER_2S, 0)
+    finally:
+        busy.close()
+        server.stop()
+
+
+def assert_timed_out_delete_runs_once(client: Any, spin: Callable[[], Any]) -> None:
+    """``client``'s socket timeout is 0.5 s: a delete sent while Redis is busy times out."""
+    cf = SyncCuckooFilter(client, "f", prefix="t:")
+    cf.reserve(100)
+    cf.insert_many(["a", "a", "b"])
+    cf.delete("b")  # loads the script: a first EVALSHA would fail NOSCRIPT
+    blocker = threading.Thread(target=spin)
+    blocker.start()
+    time.sleep(0.3)
+    try:
+        with pytest.raises(redis.TimeoutError):
+            cf.delete("a")  # queued behind the script, which holds Redis for 2 s
+    finally:
+        blocker.join()
+    assert cf.count("a") == 1  # it ran when the script ended, and only once
+
+
 class TestNoRetryAfterTimeout:
     """A script that timed out may still run: connect() must not send it a second time.
 
@@ -91,24 +128,47 @@ class TestNoRetryAfterTimeout:
         assert mine.get_retry() is None
 
     def test_a_timed_out_delete_runs_once(self) -> None:
-        server = RedisProcess.start()  # its own: a busy script blocks every client of a server
-        busy = redis.Redis.from_url(server.url)
-        client = connect(server.url, socket_timeout=0.5)
-        try:
-            cf = SyncCuckooFilter(client, "f", prefix="t:")
-            cf.reserve(100)
-            cf.insert_many(["a", "a", "b"])
-            cf.delete("b")  # loads the script: a first EVALSHA would fail NOSCRIPT
-            blocker = threading.Thread(target=busy.eval, args=(HOLD_SERVER_2S, 0))
-            blocker.start()
-            time.sleep(0.3)
+        with a_busy_server() as (url, spin):
+            client = connect(url, socket_timeout=0.5)
             try:
-                with pytest.raises(redis.TimeoutError):
-                    cf.delete("a")  # queued behind the script, which holds Redis for 2 s
+                assert_timed_out_delete_runs_once(client, spin)
             finally:
-                blocker.join()
-            assert cf.count("a") == 1  # it ran when the script ended, and only once
+                client.close()
+
+
+class TestCliClient:
+    """The CLI opens Redis through guard.connect, as the service does (app/cli/common.py)."""
+
+    def test_a_timed_out_delete_runs_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(common, "COMMAND_TIMEOUT_S", 0.5)
+        with (
+            a_busy_server() as (url, spin),
+            common.sync_redis(common.settings(redis_url=url)) as client,
+        ):
+            assert_timed_out_delete_runs_once(client, spin)
+
+    def test_a_cluster_url_opens_a_cluster(self, cluster: LocalCluster) -> None:
+        with common.sync_redis(common.settings(redis_url=cluster.url)) as client:
+            assert isinstance(client, RedisCluster) and len(client.get_primaries()) == 3
+        one_node = f"redis://127.0.0.1:{cluster.ports[1]}"
+        with common.sync_redis(common.settings(redis_url=one_node, redis_cluster=True)) as client:
+            assert isinstance(client, RedisCluster) and len(client.get_primaries()) == 3
+
+    def test_commands_work_on_a_cluster(
+        self, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        prefix = f"test:cli:{uuid.uuid4().hex[:12]}:"
+        monkeypatch.setenv("GUARD_REDIS_URL", cluster.url)
+        monkeypatch.setenv("GUARD_KEY_PREFIX", prefix)
+        runner = CliRunner()
+        try:
+            for name in ("a", "b", "c"):  # hash tags on different nodes, most likely
+                result = runner.invoke(cli, ["create", name, "-c", "1000"])
+                assert result.exit_code == 0, result.stderr
+            result = runner.invoke(cli, ["list", "--json"])
+            assert result.exit_code == 0, result.stderr
+            assert {"a", "b", "c"} <= set(result.stdout.replace('"', " ").split())
         finally:
+            client = connect(cluster.url)
+            delete_prefixed(client, prefix)
             client.close()
-            busy.close()
-            server.stop()

@@ -1,0 +1,128 @@
+"""Input refused before any route runs: bodies over the size limit (413), paths and queries
+that are not UTF-8 (422). Pure ASGI: middleware answers for itself (its exceptions never reach
+the app's handlers), and runs before routing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from urllib.parse import unquote_to_bytes
+
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import invalid, json_response
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`, checked before the app parses anything.
+
+    The body is read here (it is read whole by the app anyway) so an over-long chunked body
+    gets a clean 413 too, instead of an error half-way through parsing.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # client went away; let the app see the disconnect
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send) -> None:
+        response = json_response(
+            413, {"detail": f"request body is over the limit of {self.max_bytes} bytes"}
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": response.raw_headers,
+            }
+        )
+        await send({"type": "http.response.body", "body": bytes(response.body)})
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        unquote_to_bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _path_param(routes: Sequence[BaseRoute], scope: Scope, index: int) -> list[str | int]:
+    """`loc` of the path segment at `index`: ["path", <parameter>] when a route names it."""
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match == Match.NONE:
+            continue
+        for i, part in enumerate(str(getattr(route, "path", "")).split("/")):
+            if part.startswith("{") and part.endswith("}"):
+                name, _, kind = part[1:-1].partition(":")
+                if i == index or (kind == "path" and i < index):
+                    return ["path", name]
+        break
+    return ["path"]
+
+
+class Utf8Middleware:
+    """422 for a path or query that is not UTF-8 once percent-decoded (`%FF`, `%C0%AF`, an
+    encoded surrogate `%ED%A0%80`). The server decodes those to U+FFFD, so `/records/%FF` and
+    `/records/%FE` would be one and the same key."""
+
+    MSG = "must be valid UTF-8 once percent-decoded"
+
+    def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute]) -> None:
+        self.app = app
+        self.routes = routes  # the app's own list, read per bad request to name the parameter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            loc = self._bad(scope)
+            if loc is not None:
+                await invalid(loc, self.MSG)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _bad(self, scope: Scope) -> list[str | int] | None:
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        raw_path = raw_path.partition(b"?")[0]  # some servers and test clients keep the query
+        for index, segment in enumerate(raw_path.split(b"/")):
+            if not _utf8(segment):
+                return _path_param(self.routes, scope, index)
+        for pair in scope.get("query_string", b"").split(b"&"):
+            key, _, value = pair.replace(b"+", b" ").partition(b"=")
+            if not _utf8(key):
+                return ["query"]
+            if not _utf8(value):
+                return ["query", unquote_to_bytes(key).decode()]
+        return None

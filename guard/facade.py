@@ -1,0 +1,261 @@
+"""The public methods of every filter handle, written once for sync, asyncio and pipelines.
+
+Each public method builds an operation (a generator of rounds, guard/driver.py) and hands it to
+the object it is called on: a blocking handle runs it and returns the result, an asyncio handle
+returns a coroutine, a pipeline queues it. The ``operation`` descriptor does the hand-over and
+gives each flavour its own type (``bool``, ``Coroutine[..., bool]``, the pipeline), as redis-py
+writes each command once and types its two clients' results apart. The operations behind the
+methods (``_insert_op`` and the rest) come from the handle: one filter's (guard/filter.py) or a
+sharded filter's (guard/sharded.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+
+from guard.coalesce import LookupCoalescer
+from guard.driver import AsyncRunner, SyncRunner
+from guard.hashing import to_bytes
+from guard.ops import Op, lockstep
+from guard.params import FilterParams
+
+P = ParamSpec("P")
+T = TypeVar("T")
+InfoT = TypeVar("InfoT")  # what info() and reserve() return: FilterInfo or ShardedFilterInfo
+
+
+class operation(Generic[P, T]):
+    """A public method defined by the operation it builds; see the module docstring."""
+
+    def __init__(self, make: Callable[Concatenate[Any, P], Op[T]]) -> None:
+        self.make = make
+        self.name = make.__name__
+        self.__doc__ = make.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> operation[P, T]: ...
+    @overload
+    def __get__(
+        self, obj: AsyncRunner, owner: type | None = None
+    ) -> Callable[P, Coroutine[Any, Any, T]]: ...
+    @overload
+    def __get__(self, obj: SyncRunner, owner: type | None = None) -> Callable[P, T]: ...
+    @overload
+    def __get__(self, obj: _Queue[Any], owner: type | None = None) -> Callable[P, None]: ...
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        method = obj._bind(self.make)
+        method.__name__ = self.name
+        method.__doc__ = self.__doc__
+        return method
+
+    def __call__(self, obj: Any, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """``Class.method(handle, ...)``, as with a plain method."""
+        return obj._bind(self.make)(*args, **kwargs)
+
+
+class Facade(Generic[InfoT]):
+    """The methods every handle has. ``InfoT``: what ``info()`` and ``reserve()`` return."""
+
+    name: str
+
+    if TYPE_CHECKING:  # what a handle provides (guard/filter.py, guard/sharded.py)
+
+        def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]: ...
+        def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[InfoT]: ...
+        def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op[list[bool]]: ...
+        def _lookup_op(self, data: list[bytes]) -> Op[list[bool]]: ...
+        def _batch_op(self, script: str, items: Iterable[str | bytes]) -> Op[list[Any]]: ...
+        def _info_op(self) -> Op[InfoT]: ...
+        def _exists_op(self) -> Op[bool]: ...
+        def _drop_op(self) -> Op[bool]: ...
+        def _promote_op(self) -> Op[bool]: ...
+
+    @operation
+    def reserve(
+        self, capacity: int | FilterParams, *, applied: int = 0, source: int = 0, **params: Any
+    ) -> Op[InfoT]:
+        """Create the filter: ``reserve(capacity, **params)`` with error_rate |
+        fingerprint_bits, bucket_size, max_kicks, expansion (0 = fixed size), seed (see
+        guard/params.py), or ``reserve(FilterParams(...))``. A sharded filter's capacity is the
+        total; each shard gets its share plus headroom. ``applied`` and ``source``: where a
+        filter made from a database snapshot stands in its change log (guard/changes.py;
+        not for a sharded filter)."""
+        made = FilterParams.of(capacity, **params)
+        return (yield from self._reserve_op(made, applied, source))
+
+    @operation
+    def insert(self, item: str | bytes) -> Op[bool]:
+        """Add one copy of ``item`` (present or not)."""
+        return (yield from self._insert_op([item], False))[0]
+
+    @operation
+    def insert_unique(self, item: str | bytes) -> Op[bool]:
+        """Add ``item`` unless it (or an item with its fingerprint) seems present."""
+        return (yield from self._insert_op([item], True))[0]
+
+    @operation
+    def insert_many(self, items: Iterable[str | bytes], unique: bool = False) -> Op[list[bool]]:
+        """``insert`` (``insert_unique``) of each item; a full fixed-size filter raises
+        FilterFullError, whose ``results`` say which items were added."""
+        return self._insert_op(items, unique)
+
+    @operation
+    def lookup(self, item: str | bytes) -> Op[bool]:
+        """Whether ``item`` is probably present (False is certain)."""
+        return (yield from self._lookup_op([to_bytes(item)]))[0]
+
+    @operation
+    def lookup_many(self, items: Iterable[str | bytes]) -> Op[list[bool]]:
+        """``lookup`` of each item."""
+        return self._lookup_op([to_bytes(x) for x in items])
+
+    @operation
+    def count(self, item: str | bytes) -> Op[int]:
+        """Copies of ``item``'s fingerprint in its two buckets (an upper bound of its count)."""
+        return int((yield from self._batch_op("count", [item]))[0])
+
+    @operation
+    def delete(self, item: str | bytes) -> Op[bool]:
+        """Remove one copy of ``item``; only delete what was inserted (deleting an item that
+        was not can remove another one's fingerprint: a false negative)."""
+        return bool((yield from self._batch_op("delete", [item]))[0])
+
+    @operation
+    def delete_many(self, items: Iterable[str | bytes]) -> Op[list[bool]]:
+        """``delete`` of each item."""
+        return [bool(r) for r in (yield from self._batch_op("delete", items))]
+
+    @operation
+    def info(self) -> Op[InfoT]:
+        """Size, load, counters and estimated error rate, read from the stored headers."""
+        return self._info_op()
+
+    @operation
+    def exists(self) -> Op[bool]:
+        """Whether the filter's first key exists (no check of its bytes)."""
+        return self._exists_op()
+
+    @operation
+    def drop(self) -> Op[bool]:
+        """Delete the filter; False when there was none."""
+        return self._drop_op()
+
+    @operation
+    def promote(self) -> Op[bool]:
+        """Atomically replace the live filter by this staging copy (see ``staging()``)."""
+        return self._promote_op()
+
+
+class SyncHandle(SyncRunner, Facade[InfoT]):
+    """A handle over a blocking client: each method runs its operation and returns."""
+
+    def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return self._run(make(self, *args, **kwargs))
+
+        return method
+
+    def pipeline(self) -> Pipeline[InfoT]:
+        """Operations queued now and sent together by ``execute()`` (see ``Pipeline``)."""
+        return Pipeline(self)
+
+
+class AsyncHandle(AsyncRunner, Facade[InfoT]):
+    """A handle over an asyncio client: each method returns a coroutine.
+
+    With ``coalesce``, concurrent lookups on one handle are sent together (guard/coalesce.py).
+    """
+
+    def _start(self, coalesce: bool) -> None:
+        self._coalescer = LookupCoalescer(self._lookup_now) if coalesce else None
+
+    def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]:
+        async def method(*args: Any, **kwargs: Any) -> Any:
+            return await self._run(make(self, *args, **kwargs))
+
+        return method
+
+    async def _lookup_now(self, data: list[bytes]) -> list[bool]:
+        return await self._run(self._lookup_op(data))
+
+    async def _lookup(self, items: Iterable[str | bytes]) -> list[bool]:
+        data = [to_bytes(x) for x in items]  # a bad item fails its own caller, not the batch
+        if self._coalescer is None:
+            return await self._lookup_now(data)
+        return await self._coalescer.lookup_many(data)
+
+    # Lookups, unlike the other methods, go through the coalescer.
+    async def lookup(self, item: str | bytes) -> bool:  # type: ignore[override]
+        """Whether ``item`` is probably present (False is certain)."""
+        return (await self._lookup([item]))[0]
+
+    async def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:  # type: ignore[override]
+        """``lookup`` of each item."""
+        return await self._lookup(items)
+
+    def pipeline(self) -> AsyncPipeline[InfoT]:
+        """Operations queued now and sent together by ``await execute()``."""
+        return AsyncPipeline(self)
+
+
+class _Queue(Facade[InfoT]):
+    """A pipeline: the handle's methods queue their operations, ``execute()`` runs them side
+    by side (guard/driver.py: ``lockstep``), so N operations cost the round trips of the
+    longest one rather than N times that: single-item calls of a loop become one pipeline
+    per step. Results come back in the order the methods were called.
+
+    Each operation keeps its own semantics (retries, growth, errors), and nothing is atomic
+    or ordered across them: an operation that needs a second round (a stale layout, a
+    fallback command) runs it after the others' first. Queue operations that do not depend
+    on each other; an insert and a lookup of the same item may run in either order.
+    """
+
+    def __init__(self, handle: Facade[InfoT]) -> None:
+        self._handle = handle
+        self._ops: list[Op[Any]] = []
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]:
+        def queue(*args: Any, **kwargs: Any) -> None:
+            self._ops.append(make(self._handle, *args, **kwargs))
+
+        return queue
+
+    def _all(self, raise_on_error: bool) -> Op[list[Any]]:
+        ops, self._ops = self._ops, []
+        results = yield from lockstep(dict(enumerate(ops)))
+        out = [results[k] for k in range(len(ops))]
+        if raise_on_error:
+            for result in out:
+                if isinstance(result, Exception):
+                    raise result
+        return out
+
+
+class Pipeline(_Queue[InfoT]):
+    """Blocking: ``cf.pipeline()``; queue with the handle's methods, then ``execute()``."""
+
+    _handle: SyncHandle[InfoT]
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        """Run the queued operations; their results in order. With ``raise_on_error`` the
+        first failure is raised once all have run, else each failure stands in its place."""
+        return self._handle._run(self._all(raise_on_error))
+
+
+class AsyncPipeline(_Queue[InfoT]):
+    """Asyncio: ``cf.pipeline()``; queue with the handle's methods, then ``await execute()``."""
+
+    _handle: AsyncHandle[InfoT]
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        """Run the queued operations; see ``Pipeline.execute``."""
+        return await self._handle._run(self._all(raise_on_error))

@@ -1,0 +1,126 @@
+"""What every operation is made of, and runs with, before any I/O (guard/driver.py sends it).
+
+An operation is a generator: it yields a ``Round`` of calls, or a ``Batch`` of rounds (one per
+shard, or per operation of a pipeline), and is sent the replies back; a round that failed is
+thrown back into it. The limits here bound what one call may cost the server.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Generator, Hashable, Mapping
+from typing import Any, NamedTuple, TypeAlias, TypeVar
+
+from guard import layout
+from guard.errors import FilterCorruptError
+
+T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+
+BATCH_CHUNK = 1000  # items per count/delete script call
+INSERT_CHUNK = 512
+# Kick steps one insert call may take in the worst case (about 1.5 us each on the server):
+# keeps a batch into a nearly full filter far below Redis's 5 s busy-script limit.
+KICK_BUDGET = 100_000
+MAX_RETRIES = 8  # times an operation reads a layout that keeps changing before it gives up
+
+
+class Call(NamedTuple):
+    """One EVALSHA of a guard script; EVALSHA_RO when ``read_only`` (it runs on a replica)."""
+
+    script: str
+    keys: list[str]
+    args: list[Any]
+    read_only: bool = False
+
+
+class Command(NamedTuple):
+    """One plain Redis command (the script-free reads)."""
+
+    name: str
+    args: list[Any]
+
+
+class Round(NamedTuple):
+    """What an operation sends at once: one pipeline, a MULTI when ``atomic``."""
+
+    calls: list[Call | Command]
+    atomic: bool = False
+
+
+# Rounds sent together, by key; the answer maps each key to its replies or to the exception
+# its round raised (a batch never throws: each round's failure is its own).
+Batch: TypeAlias = dict[Any, Round]
+Op: TypeAlias = Generator[Round | Batch, Any, T]
+
+
+# -- running several operations together ---------------------------------------------------
+
+
+def lockstep(
+    ops: Mapping[K, Op[Any]], check: Callable[[K], BaseException | None] | None = None
+) -> Op[dict[K, Any]]:
+    """Run ``ops`` side by side: each step's rounds go out as one batch, so N operations
+    cost the round trips of the longest, not the sum. Returns each one's result, or the
+    exception it raised (one failing does not stop the others).
+
+    ``check(key)``, after each step of an operation, may stop it with an exception of its
+    own (a sharded filter stops a shard whose routing went stale before anything is sent).
+    """
+    results: dict[K, Any] = {}
+    pending: dict[K, Round | Batch] = {}
+
+    def step(key: K, answer: Any, first: bool = False) -> None:
+        op = ops[key]
+        try:
+            if first:
+                request = next(op)
+            elif isinstance(answer, BaseException):
+                request = op.throw(answer)
+            else:
+                request = op.send(answer)
+        except StopIteration as done:
+            results[key] = done.value
+            return
+        except Exception as exc:
+            results[key] = exc
+            return
+        stop = check(key) if check is not None else None
+        if stop is not None:
+            op.close()
+            results[key] = stop
+            return
+        pending[key] = request
+
+    for key in ops:
+        step(key, None, first=True)
+    while pending:
+        batch: Batch = {}
+        for key, request in pending.items():
+            if isinstance(request, Round):
+                batch[(key,)] = request
+            else:
+                batch.update(((key, sub), rnd) for sub, rnd in request.items())
+        answers = yield batch
+        current, pending = pending, {}
+        for key, request in current.items():
+            if isinstance(request, Round):
+                step(key, answers[(key,)])
+            else:
+                step(key, {sub: answers[(key, sub)] for sub in request})
+    return results
+
+
+def forgets_on_damage(make_op: Callable[..., Op[T]]) -> Callable[..., Op[T]]:
+    """An operation that meets damage leaves its handle with no layout: the bytes no longer
+    back the one it had, and the next call must verify the filter again, not trust it."""
+
+    @functools.wraps(make_op)
+    def op(self: Any, *args: Any, **kwargs: Any) -> Op[T]:
+        try:
+            return (yield from make_op(self, *args, **kwargs))
+        except FilterCorruptError:
+            self._layout = layout.UNKNOWN_LAYOUT
+            raise
+
+    return op
