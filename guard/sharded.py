@@ -237,13 +237,8 @@ class ShardedOps:
     def _exists_op(self) -> Op[bool]:
         return self._handles[0]._exists_op()
 
-    def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[ShardedFilterInfo]:
-        if applied or source:
-            raise InvalidParameterError(
-                "a sharded filter follows no change log: reserve() takes no applied or source",
-                param="applied" if applied else "source",
-                filter=self.name,
-            )
+    def _refuse_existing_op(self) -> Op[None]:
+        """FilterExistsError when any shard exists."""
         answers = yield {
             i: Round([Command("EXISTS", [h.key(0)])]) for i, h in enumerate(self._handles)
         }
@@ -252,6 +247,15 @@ class ShardedOps:
                 raise answer
         if any(answer[0] for answer in answers.values()):
             raise FilterExistsError(f"{self.name}: filter exists", filter=self.name)
+
+    def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[ShardedFilterInfo]:
+        if applied or source:
+            raise InvalidParameterError(
+                "a sharded filter follows no change log: reserve() takes no applied or source",
+                param="applied" if applied else "source",
+                filter=self.name,
+            )
+        yield from self._refuse_existing_op()
         seed = params.seed
         if seed is None:
             seed = yield from self._seed_to_keep()
@@ -321,7 +325,7 @@ class ShardedOps:
                 raise r
         return any(results.values())
 
-    def _promote_op(self) -> Op[bool]:
+    def _promote_op(self, only_if_new: bool = False) -> Op[bool]:
         live = self._live
         if live is None:
             raise InvalidParameterError(
@@ -331,8 +335,10 @@ class ShardedOps:
         # _seed_to_keep), so an item routes to the same shard in the old and the new copy and
         # a lookup between two shards' promotes still finds it.
         yield from self._open_op()
+        if only_if_new:  # no shard swapped in while any exists (each one checks again)
+            yield from live._refuse_existing_op()
         results = yield from self._fan(
-            {i: h._replace_op(live._handles[i]) for i, h in enumerate(self._handles)}
+            {i: h._replace_op(live._handles[i], only_if_new) for i, h in enumerate(self._handles)}
         )
         for r in results.values():
             if isinstance(r, BaseException):
