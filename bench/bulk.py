@@ -26,7 +26,8 @@ from typing import Any
 
 import redis
 
-from guard import SyncCuckooFilter, bulk
+from guard import FilterParams, SyncCuckooFilter, bulk
+from guard.layout import pack_header
 
 FULL = {"count": 10_000_000, "sample": 200_000}
 QUICK = {"count": 200_000, "sample": 20_000}
@@ -172,25 +173,27 @@ def _library_rows(r: redis.Redis, prefix: str, path: Path, count: int) -> list[R
 
 
 def _phases(r: redis.Redis, prefix: str, path: Path, count: int) -> dict[str, float]:
-    """bulk_load's steps one after another (guard/bulk.py's own functions), each timed."""
-    from guard.filter import _plan
-
+    """bulk_load's steps one after another, each timed: hashing and placement by
+    guard/bulk.py's own functions; the strings then written with one SET each and promoted."""
     cf = SyncCuckooFilter(r, "phases", prefix)
     times = {}
     start = time.perf_counter()
     sink = bulk.Hashes(seed=12345)
-    for chunk in key_chunks(path):
-        sink.add(chunk)
+    sink.add_all(key_chunks(path))
     times["read the file and hash"] = time.perf_counter() - start
     start = time.perf_counter()
-    layout = _plan(count, seed=12345, error_rate=ERROR_RATE)
-    built = bulk.build(*sink.take(), layout, name=cf.name, capacity=count, error_rate=ERROR_RATE)
+    layout = FilterParams(capacity=count, seed=12345, error_rate=ERROR_RATE).layout()
+    header = pack_header(layout, count, ERROR_RATE)
+    built = bulk.build(*sink.take(), layout, header, name=cf.name)
     times["place and pack"] = time.perf_counter() - start
     start = time.perf_counter()
-    target = bulk._Target(cf.name, cf.key, cf.staging().key)
-    bulk._run(r, bulk._upload_op(target, built))
-    bulk._run(r, bulk._promote_op(target, built.layout, create=True))
-    times["upload and promote"] = time.perf_counter() - start
+    staging = cf.staging()
+    with r.pipeline(transaction=False) as pipe:
+        for n, string in reversed(list(enumerate(built.strings))):
+            pipe.set(staging.key(n), bytes(string))
+        pipe.execute()
+    staging.promote()
+    times["upload (a SET per string) and promote"] = time.perf_counter() - start
     return times
 
 

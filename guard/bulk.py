@@ -29,38 +29,49 @@ cannot hold them (fixed size, or at a growth limit) raises FilterFullError befor
 written: the answer the scripts would give, and the sizing rule (``capacity`` →
 guard/layout.py:buckets_for) leaves the margin that makes it rare.
 
-The upload writes each staging string so that it passes the promote script's layout check only
-once it is whole (tag first, allocating the string at its exact length; then the table; the
-header last); lookups never read a staging copy. When the build creates a filter, the
-promote script runs after a check, in the same script, that the live filter still does not
-exist, so a filter someone else created meanwhile is never replaced (FilterExistsError). A
-failure anywhere leaves the live filter untouched and deletes the staging copy.
+``load_op`` is ``bulk_load`` (guard/facade.py) for every handle: an operation like the others,
+run by the handle's own runner, whose hashing and placement are ``Work`` (guard/ops.py): done
+in a worker thread on an asyncio handle, off the event loop. The upload writes each staging
+string so that it passes the promote script's layout check only once it is whole (tag first,
+allocating the string at its exact length; then the table; the header last); lookups never
+read a staging copy. When the build creates a filter, promote.lua checks, in the same script,
+that the live filter still does not exist, so a filter someone else created meanwhile is never
+replaced (FilterExistsError). A failure anywhere leaves the live filter untouched and deletes
+the staging copy.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections import deque
-from collections.abc import AsyncIterable, Callable, Generator, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from contextlib import suppress
+from dataclasses import dataclass, replace
 from functools import partial
-from itertools import islice, repeat
-from typing import Any, NamedTuple
+from itertools import islice
+from typing import Any, NamedTuple, Protocol
 
-import mmh3
 import numpy as np
-from redis.exceptions import ResponseError
 
-from guard import hashing, scripts
-from guard import layout as fmt
-from guard.errors import (
-    FilterExistsError,
-    FilterFullError,
-    GuardError,
-    InvalidParameterError,
+from guard import hashing
+from guard.errors import FilterExistsError, FilterFullError, InvalidParameterError
+from guard.layout import (
+    COMMON_BYTES,
+    DELETES_AT,
+    ERROR_RATE_AT,
+    HEADER_BYTES,
+    INDEX_AT,
+    ITEMS_AT,
+    MAX_FP_BITS,
+    MAX_STRING_BYTES,
+    MAX_SUBFILTERS,
+    SUBFILTERS_AT,
+    TAG_BYTES,
+    Layout,
+    pack_header,
 )
-from guard.layout import Layout
+from guard.ops import Call, Command, Op, Round, Work
+from guard.params import FilterParams
 
 CHUNK_ITEMS = 1 << 16  # items hashed per step: the only Python objects held at once
 PACK_SLOTS = 1 << 20  # slots packed at once (a multiple of 8: every slice ends on a byte)
@@ -77,33 +88,16 @@ MAX_ROUNDS = 4000
 SEARCH_ITEMS = 1024
 SEARCH_BUDGET = 1 << 18
 
-Items = Iterable[str | bytes] | Iterable[list[str | bytes]]
-Plan = Callable[..., Layout]  # reserve()'s planner: (capacity, **options) -> sub-filter 0's layout
-Share = Callable[[int, int], int]  # (total capacity, shards) -> one shard's capacity
+# str/bytes items, or batches of them (lists or tuples, as a database cursor hands them out);
+# an async iterable of either on an asyncio handle.
+Items = Iterable[Any] | AsyncIterable[Any]
 
 
 # -- hashing --------------------------------------------------------------------------------
 
 
-def _digests(chunk: list[Any], seed: int) -> np.ndarray:
-    """The 128-bit mmh3 hash of every item, as (n, 2) little-endian words: one C call each.
-
-    The same hash as guard/hashing.py's item_hash, item_hashes and shard_of, taken once: the
-    builder needs its shard bits (96..127) beside ``h`` and ``g``.
-    """
-    digest = mmh3.mmh3_x64_128_digest
-    try:
-        if isinstance(chunk[0], str):  # the digest takes bytes only; str is UTF-8 encoded
-            raw = b"".join(map(digest, map(str.encode, chunk), repeat(seed)))
-        else:
-            raw = b"".join(map(digest, chunk, repeat(seed)))
-    except TypeError:  # str and bytes mixed, or something that is not an item
-        raw = b"".join([digest(hashing.to_bytes(x), seed) for x in chunk])
-    return np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
-
-
 class Hashes:
-    """The input, reduced to what placement needs: per shard, ``h`` (uint64) and ``g``
+    """The input, reduced to what placement needs: per shard, ``h`` (int64) and ``g``
     (uint32) of every item, in input order. Fed one chunk at a time."""
 
     def __init__(self, seed: int, shards: int = 1) -> None:
@@ -113,20 +107,25 @@ class Hashes:
         self._g: list[list[np.ndarray]] = [[] for _ in range(shards)]
         self.count = 0
 
+    def add_all(self, items: Iterable[Any]) -> None:
+        """Every item of ``items``, or of its batches, a chunk at a time."""
+        for chunk in _chunks(items):
+            self.add(chunk)
+
     def add(self, chunk: list[Any]) -> None:
         if not chunk:
             return
-        words = _digests(chunk, self.seed)
-        h = words[:, 0] & np.uint64(hashing.H_MASK)
-        g = (words[:, 1] & np.uint64(hashing.G_MASK)).astype(np.uint32)
+        # One digest per item gives h, g and (sharded) the shard: hashing.item_hashes.
+        rows = hashing.item_hashes(chunk, self.seed, self.shards if self.shards > 1 else 0)
+        h, g = rows[:, 0], rows[:, 1].astype(np.uint32)
         self.count += len(chunk)
         if self.shards == 1:
-            self._h[0].append(h)
+            self._h[0].append(h.copy())  # a column of rows: a view would keep all of them
             self._g[0].append(g)
             return
-        shard = (words[:, 1] >> np.uint64(32)) % np.uint64(self.shards)  # hashing.shard_of
+        shard = rows[:, 2]
         order = np.argsort(shard, kind="stable")
-        bounds = np.cumsum(np.bincount(shard.astype(np.intp), minlength=self.shards))
+        bounds = np.cumsum(np.bincount(shard, minlength=self.shards))
         for i, part in enumerate(np.split(order, bounds[:-1])):
             if len(part):
                 self._h[i].append(h[part])
@@ -134,10 +133,49 @@ class Hashes:
 
     def take(self, shard: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """One shard's (h, g) arrays, handed over: the sink forgets them."""
-        h = np.concatenate(self._h[shard]) if self._h[shard] else np.zeros(0, np.uint64)
+        h = np.concatenate(self._h[shard]) if self._h[shard] else np.zeros(0, np.int64)
         g = np.concatenate(self._g[shard]) if self._g[shard] else np.zeros(0, np.uint32)
         self._h[shard], self._g[shard] = [], []
         return h, g
+
+
+_END = object()
+
+
+def _chunks(items: Iterable[Any]) -> Iterator[list[Any]]:
+    """The input in lists of about CHUNK_ITEMS items: from items, or from batches of items."""
+    it = iter(items)
+    first = next(it, _END)
+    if first is _END:
+        return
+    if isinstance(first, list | tuple):
+        pending = list(first)
+        for batch in it:
+            pending.extend(batch)
+            if len(pending) >= CHUNK_ITEMS:
+                yield pending
+                pending = []
+        if pending:
+            yield pending
+        return
+    yield [first, *islice(it, CHUNK_ITEMS - 1)]
+    while chunk := list(islice(it, CHUNK_ITEMS)):
+        yield chunk
+
+
+async def _achunks(items: AsyncIterable[Any]) -> AsyncIterator[list[Any]]:
+    """``_chunks`` of an async iterable."""
+    pending: list[Any] = []
+    async for x in items:
+        if isinstance(x, list | tuple):
+            pending.extend(x)
+        else:
+            pending.append(x)
+        if len(pending) >= CHUNK_ITEMS:
+            yield pending
+            pending = []
+    if pending:
+        yield pending
 
 
 # -- placement ------------------------------------------------------------------------------
@@ -313,9 +351,7 @@ class _Placement:
             pick = ids[part]
             prefix = self.g[pick] >> np.uint32(32 - f0)
             mixed = table[prefix] if table is not None else hashing.mix(prefix.astype(np.int64))
-            first = (self.h[pick] % np.uint64(m)).astype(np.int64)
-            i1[part] = first
-            i2[part] = (mixed - first) % m  # hashing.alt_bucket
+            i1[part], i2[part] = hashing.buckets(self.h[pick], mixed, m)
         return i1, i2
 
     def _nodes(self, item: int) -> list[tuple[int, int]]:
@@ -324,8 +360,7 @@ class _Placement:
         mixed = hashing.mix(int(self.g[item]) >> (32 - self.layout.fp_bits))
         out = []
         for n, table in enumerate(self.tables):
-            i1 = h % table.m
-            i2 = (mixed - i1) % table.m  # hashing.alt_bucket
+            i1, i2 = hashing.buckets(h, mixed, table.m)
             out += [(n, i1), (n, i2)] if i2 != i1 else [(n, i1)]
         return out
 
@@ -416,60 +451,50 @@ def _growth_problem(layout: Layout, n: int) -> str | None:
     """Why sub-filter n cannot be added, as insert.lua's grow() decides; None when it can."""
     if not layout.expansion:
         return "the filter has a fixed size (expansion 0)"
-    if n >= fmt.MAX_SUBFILTERS:
-        return f"it would need more than {fmt.MAX_SUBFILTERS} sub-filters"
-    if layout.fp_step and layout.fp_bits + layout.fp_step * n > fmt.MAX_FP_BITS:
-        return f"sub-filter {n} would need fingerprints over {fmt.MAX_FP_BITS} bits"
-    if layout.string_bytes(n) > fmt.MAX_STRING_BYTES:
+    if n >= MAX_SUBFILTERS:
+        return f"it would need more than {MAX_SUBFILTERS} sub-filters"
+    if layout.fp_step and layout.fp_bits + layout.fp_step * n > MAX_FP_BITS:
+        return f"sub-filter {n} would need fingerprints over {MAX_FP_BITS} bits"
+    if layout.string_bytes(n) > MAX_STRING_BYTES:
         return f"sub-filter {n} would be larger than a Redis string"
     return None
 
 
 def _subfilter_string(
-    header0: bytes, layout: Layout, n: int, table: _Table, g: np.ndarray
+    header0: bytes | bytearray, layout: Layout, n: int, table: _Table, g: np.ndarray
 ) -> bytearray:
     """Sub-filter n's whole string: sub-filter 0's header as growth copies it (index n, its own
     item count, counters and change ids zero), the table packed a slice at a time (the slots'
     fingerprints exist only a slice at a time), the tag."""
     out = bytearray(layout.string_bytes(n))
-    shared = fmt.HEADER_BYTES if n == 0 else fmt.COMMON_BYTES
+    shared = HEADER_BYTES if n == 0 else COMMON_BYTES
     out[:shared] = header0[:shared]
     if n:  # the bytes after COMMON_BYTES (applied, source) stay 0, as do the delete counters
-        out[fmt.SUBFILTERS_AT] = out[fmt.INDEX_AT] = n
-        out[fmt.DELETES_AT : fmt.ERROR_RATE_AT] = bytes(fmt.ERROR_RATE_AT - fmt.DELETES_AT)
-    out[fmt.ITEMS_AT : fmt.ITEMS_AT + 8] = table.items.to_bytes(8, "big", signed=True)
+        out[SUBFILTERS_AT] = out[INDEX_AT] = n
+        out[DELETES_AT:ERROR_RATE_AT] = bytes(ERROR_RATE_AT - DELETES_AT)
+    out[ITEMS_AT : ITEMS_AT + 8] = table.items.to_bytes(8, "big", signed=True)
     f = layout.fp_bits_at(n)
-    at = fmt.HEADER_BYTES
+    at = HEADER_BYTES
     for start in range(0, len(table.owner) if table.items else 0, PACK_SLOTS):
         owner = table.owner[start : start + PACK_SLOTS]
-        prints = np.where(owner >= 0, g[owner] >> np.uint32(32 - f), 0)  # hashing.fingerprint
+        prints = np.where(owner >= 0, hashing.fingerprint(g[owner], f), 0)
         packed = pack_slots(prints, f)
         out[at : at + len(packed)] = packed
         at += len(packed)
-    out[-fmt.TAG_BYTES :] = layout.tag(n)
+    out[-TAG_BYTES:] = layout.tag(n)
     return out
 
 
-def build(
-    h: np.ndarray,
-    g: np.ndarray,
-    layout: Layout,
-    *,
-    name: str,
-    capacity: int,
-    error_rate: float | None,
-    shards: int = 0,
-    applied: int = 0,
-    source: int = 0,
-) -> BuiltFilter:
-    """Place the items whose hashes are ``h``, ``g`` into a filter laid out as ``layout``
-    (sub-filter 0's geometry; it grows from there as the scripts would) and pack its strings.
+def build(h: np.ndarray, g: np.ndarray, layout: Layout, header: bytes, *, name: str) -> BuiltFilter:
+    """Place the items whose hashes are ``h``, ``g`` into a filter laid out as ``layout`` with
+    sub-filter 0's ``header`` (both as reserve() would make them: it grows from there as the
+    scripts would) and pack its strings.
 
     ``g`` is changed in place (hashing.fix_g): the arrays are handed over, not lent.
     Raises FilterFullError when the items do not fit a filter that may not grow further.
     """
     f0 = layout.fp_bits
-    g[g >> np.uint32(32 - f0) == 0] += np.uint32(1 << (32 - f0))  # hashing.fix_g
+    g[g >> np.uint32(32 - f0) == 0] += np.uint32(1 << (32 - f0))  # hashing.fix_g, in place
     placement = _Placement(h, g, layout)
     homeless = placement.add_subfilter(None)
     while len(homeless):
@@ -477,16 +502,15 @@ def build(
         if problem:
             raise FilterFullError(
                 f"filter {name!r} is full: {len(homeless):,} of {len(h):,} items do not fit "
-                f"({problem}); nothing was written. Give a larger capacity or an expansion"
+                f"({problem}); nothing was written. Give a larger capacity or an expansion",
+                filter=name,
             )
         homeless = placement.add_subfilter(homeless)
     tables = placement.tables
     del placement, h, homeless
-    layout = Layout(
-        layout.bucket_size, f0, layout.fp_step, layout.expansion, len(tables),
-        layout.max_kicks, layout.buckets0, layout.seed,
-    )  # fmt: skip
-    header0 = fmt.pack_header(layout, capacity, error_rate, shards, applied=applied, source=source)
+    layout = replace(layout, subfilters=len(tables))
+    header0 = bytearray(header)
+    header0[SUBFILTERS_AT] = layout.subfilters
     strings: list[bytes | bytearray] = []
     items = []
     while tables:  # each table freed once packed
@@ -497,430 +521,134 @@ def build(
     return BuiltFilter(layout, strings, items)
 
 
-# -- upload and promote (sans-IO: the drivers below run the steps) --------------------------
+# -- the operation: bulk_load on any handle -------------------------------------------------
 
 
-class _Batch(NamedTuple):
-    """Redis commands sent in one pipeline; the reply is the list of their replies."""
+class Target(NamedTuple):
+    """What a build writes, as the staging copy's handle says (its ``_bulk_target``,
+    guard/filter.py and guard/sharded.py): the filters that hold the items, one or one per
+    shard, and what their headers record."""
 
-    commands: list[tuple[Any, ...]]
+    parts: list[Any]  # each with .key(n), sub-filter n's key
+    shards: int = 0  # as the headers record it: 0 for a plain filter
+    share: Callable[[int], int] | None = None  # one part's capacity, from the total
+    keep_seed: Callable[[], Op[int | None]] | None = None  # the live filter's, if it has one
+
+    def params(self, made: FilterParams, total: int, seed: int | None) -> FilterParams:
+        """One part's parameters, for a ``total`` capacity."""
+        return replace(made, capacity=self.share(total) if self.share else total, seed=seed)
 
 
-class _Work(NamedTuple):
-    """CPU work (a build): the async driver runs it in a thread, off the event loop."""
-
-    run: Callable[[], Any]
-
-
-Step = _Batch | _Work
-Op = Generator[Step, Any, Any]
-
-
-@dataclass(frozen=True)
-class _Target:
-    """One filter the build writes: a plain filter, or one shard of a sharded filter."""
+class Handle(Protocol):
+    """What a build uses of the handle whose filter it makes (guard/facade.py)."""
 
     name: str
-    live: Callable[[int], str]  # sub-filter n's key
-    staging: Callable[[int], str]
+    key: Callable[..., str]  # key(0): its first key
 
-    def live_keys(self) -> list[str]:
-        return [self.live(n) for n in range(fmt.MAX_SUBFILTERS)]
-
-    def staging_keys(self) -> list[str]:
-        return [self.staging(n) for n in range(fmt.MAX_SUBFILTERS)]
-
-
-def _writes(key: str, string: bytes | bytearray) -> list[tuple[Any, ...]]:
-    """SETRANGEs writing ``string`` to a missing ``key`` so that it passes the scripts' layout
-    check only once whole: the tag first (creating the string at its exact length, as reserve
-    does), then the table in pieces, the header last."""
-    data = memoryview(string)
-    tag_at, table_at = len(data) - fmt.TAG_BYTES, fmt.HEADER_BYTES
-    out: list[tuple[Any, ...]] = [("SETRANGE", key, tag_at, data[tag_at:])]
-    for at in range(table_at, tag_at, UPLOAD_BYTES):
-        out.append(("SETRANGE", key, at, data[at : min(at + UPLOAD_BYTES, tag_at)]))
-    out.append(("SETRANGE", key, 0, data[:table_at]))
-    return out
+    def staging(self) -> Handle: ...
+    def _bulk_target(self, applied: int, source: int) -> Target: ...
+    def _exists_op(self) -> Op[bool]: ...
+    def _drop_op(self) -> Op[bool]: ...
+    def _promote_op(self, only_if_new: bool = False) -> Op[bool]: ...
+    def _info_op(self) -> Op[Any]: ...
 
 
-def _upload_op(target: _Target, built: BuiltFilter) -> Op:
-    """Write ``built`` as ``target``'s staging copy (any older copy deleted first)."""
-    yield _Batch([("DEL", *target.staging_keys())])
-    # Sub-filters from the last: sub-filter 0's header, the one a promote reads first, last.
-    commands = [
-        c
-        for n in reversed(range(len(built.strings)))
-        for c in _writes(target.staging(n), built.strings[n])
-    ]
-    batch: list[tuple[Any, ...]] = []
-    size = 0
-    for c in commands:
-        batch.append(c)
-        size += len(c[3])
-        if size >= PIPELINE_BYTES:
-            yield _Batch(batch)
-            batch, size = [], 0
-    if batch:
-        yield _Batch(batch)
-
-
-# Put before promote.lua when the build creates the filter: one script checks that the live
-# filter still does not exist and swaps the staging copy in, so a filter someone else made
-# meanwhile is never replaced (and the check holds on every client, Redis Cluster included).
-_ONLY_IF_NEW = (
-    "if redis.call('EXISTS', KEYS[1]) == 1 then\n"
-    "  return redis.error_reply('GUARD_EXISTS filter exists')\n"
-    "end\n"
-)
-
-
-def _promote_op(target: _Target, layout: Layout, create: bool) -> Op:
-    """Swap the staging copy in with the promote script; when ``create``, only if the live
-    filter still does not exist (FilterExistsError otherwise)."""
-    source = (_ONLY_IF_NEW if create else "") + scripts.source("promote")
-    keys = [*target.live_keys(), *target.staging_keys()]
-    try:
-        (reply,) = yield _Batch([("EVAL", source, len(keys), *keys, *layout.args())])
-    except ResponseError as exc:
-        raise scripts.map_error(exc, target.name) from exc
-    if reply != 1:  # STALE: another build replaced the staging copy meanwhile
-        raise GuardError(f"{target.name}: the staging copy changed during the build")
-
-
-def _cleanup(targets: list[_Target]) -> Op:
-    """Delete the staging copies; a failure here must not hide the one being raised."""
-    try:
-        for t in targets:
-            yield _Batch([("DEL", *t.staging_keys())])
-    except Exception:
-        return
-
-
-# -- the job: what one bulk load does, whatever runs it -------------------------------------
-
-
-def _check_id(name: str, value: object, highest: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= highest:
-        raise InvalidParameterError(f"{name} must be an integer from 0 to {highest}, got {value!r}")
-    return value
-
-
-@dataclass
-class _Job:
-    """A bulk load of one filter (``shards`` > 0: of a sharded filter, one target per shard)."""
-
-    targets: list[_Target]
-    shards: int  # as the header records it: 0 for a plain filter
-    plan: Plan
-    share: Share | None  # a shard's capacity from the total (sharded filters)
-    capacity: int | None
-    params: dict[str, Any]
-    applied: int
-    source: int
-    promote: bool
-    create: bool
-    seed: int | None = None
-    layouts: list[Layout] = field(default_factory=list)
-
-    @classmethod
-    def make(
-        cls,
-        targets: list[_Target],
-        shards: int,
-        plan: Plan,
-        share: Share | None,
-        capacity: int | None,
-        params: dict[str, Any],
-        *,
-        replace: bool,
-        promote: bool,
-        applied: int,
-        source: int,
-    ) -> _Job:
-        """Every parameter checked as reserve() checks them, before any I/O."""
-        plan(1 if capacity is None else capacity, **params)  # every option, named if wrong
-        job = cls(
-            targets,
-            shards,
-            plan,
-            share,
-            capacity,
-            dict(params),
-            _check_id("applied", applied, fmt.MAX_CHANGE_ID),
-            _check_id("source", source, fmt.MAX_SOURCE),
-            bool(promote),
-            not replace,
-            params.get("seed"),
-        )
-        return job
-
-    def _capacity(self, count: int) -> int:
-        total = self.capacity if self.capacity is not None else max(1, count)
-        return self.share(total, self.shards) if self.share else total
-
-    def prepare_op(self) -> Op:
-        """Before reading the input: refuse an existing filter (when creating one) and pick
-        the seed; returns it."""
-        if self.create and self.promote:
-            reply = yield _Batch([("EXISTS", t.live(0)) for t in self.targets])
-            if any(reply):
-                raise FilterExistsError(f"{self.targets[0].name}: filter exists")
-        elif self.seed is None and self.shards:
-            # A sharded filter replaced keeps its seed, as its staging copy does (sharded.py):
-            # an item routes to the same shard in both, so a lookup between two shards'
-            # promotes still finds it.
-            self.seed = yield from _live_seed_op(self.targets[0], self.shards)
-        if self.seed is None:
-            self.seed = self.plan(1, **self.params).seed  # drawn as reserve() draws it
-        return self.seed
-
-    def _build(
-        self, sink: Hashes, shard: int, layout: Layout, capacity: int, name: str
-    ) -> BuiltFilter:
-        # The hashes are handed over here, in the worker: build() holds the only reference,
-        # and frees each array as soon as it is done with it.
-        return build(
-            *sink.take(shard),
-            layout,
-            name=name,
-            capacity=capacity,
-            error_rate=self.params.get("error_rate"),
-            shards=self.shards,
-            applied=self.applied,
-            source=self.source,
-        )
-
-    def run_op(self, sink: Hashes) -> Op:
-        """Build, upload and (unless told not to) promote every target."""
-        params = {**self.params, "seed": self.seed}
-        capacity = self._capacity(sink.count)
-        layout = self.plan(capacity, **params)
-        try:
-            for i, target in enumerate(self.targets):
-                work = partial(self._build, sink, i, layout, capacity, target.name)
-                built: BuiltFilter = yield _Work(work)
-                self.layouts.append(built.layout)
-                yield from _upload_op(target, built)
-                del built
-            if not self.promote:
-                return
-            if self.create and len(self.targets) > 1:  # no shard swapped in if one exists
-                reply = yield _Batch([("EXISTS", t.live(0)) for t in self.targets])
-                if any(reply):
-                    raise FilterExistsError(f"{self.targets[0].name}: filter exists")
-            for target, layout in zip(self.targets, self.layouts, strict=True):
-                yield from _promote_op(target, layout, self.create)
-        except BaseException as exc:
-            if not isinstance(exc, GeneratorExit):
-                yield from _cleanup(self.targets)
-            raise
-
-
-def _live_seed_op(target: _Target, shards: int) -> Generator[Step, Any, int | None]:
-    """The seed of the live sharded filter (read from shard 0, verified), None if none."""
-    reads = [(command, *args) for command, args in fmt.probe_reads(target.live(0))]
-    reply = yield _Batch([("EXISTS", target.live(0)), *reads])
-    if not reply[0]:
-        return None
-    stored = fmt.Stored(target.live(0), *reply[1:4])
-    layout = fmt.verify_stored(target.name, [stored])
-    recorded = fmt.unpack_header(stored.header).shards
-    if recorded != shards:
-        raise InvalidParameterError(
-            f"{target.name}: the filter has {recorded} shard(s); this handle was opened with "
-            f"shards={shards}"
-        )
-    return layout.seed
-
-
-# -- drivers --------------------------------------------------------------------------------
-
-
-_END = object()
-
-
-def _chunks(items: Iterable[Any]) -> Iterator[list[Any]]:
-    """The input in lists of about CHUNK_ITEMS items: from items, or from batches of items
-    (lists or tuples, as a database cursor hands them out)."""
-    it = iter(items)
-    first = next(it, _END)
-    if first is _END:
-        return
-    if isinstance(first, list | tuple):
-        pending = list(first)
-        for batch in it:
-            pending.extend(batch)
-            if len(pending) >= CHUNK_ITEMS:
-                yield pending
-                pending = []
-        if pending:
-            yield pending
-        return
-    yield [first, *islice(it, CHUNK_ITEMS - 1)]
-    while chunk := list(islice(it, CHUNK_ITEMS)):
-        yield chunk
-
-
-async def _achunks(items: AsyncIterable[Any]) -> Any:
-    pending: list[Any] = []
-    async for x in items:
-        if isinstance(x, list | tuple):
-            pending.extend(x)
-        else:
-            pending.append(x)
-        if len(pending) >= CHUNK_ITEMS:
-            yield pending
-            pending = []
-    if pending:
-        yield pending
-
-
-# One command goes on its own, not in a pipeline: redis-py's pipeline error messages quote the
-# command, and promote's quoted source would be taken for the script's own error reply.
-
-
-def _send(redis: Any, batch: _Batch) -> Any:
-    if len(batch.commands) == 1:
-        return [redis.execute_command(*batch.commands[0])]
-    pipe = redis.pipeline(transaction=False)
-    for c in batch.commands:
-        pipe.execute_command(*c)
-    return pipe.execute()
-
-
-async def _asend(redis: Any, batch: _Batch) -> Any:
-    if len(batch.commands) == 1:
-        return [await redis.execute_command(*batch.commands[0])]
-    pipe = redis.pipeline(transaction=False)
-    for c in batch.commands:
-        pipe.execute_command(*c)
-    return await pipe.execute()
-
-
-def _run(redis: Any, op: Op) -> Any:
-    try:
-        step = next(op)
-        while True:
-            try:
-                reply = step.run() if isinstance(step, _Work) else _send(redis, step)
-            except BaseException as exc:  # back into the op, which cleans up and re-raises
-                step = op.throw(exc)
-            else:
-                step = op.send(reply)
-    except StopIteration as done:
-        return done.value
-
-
-async def _arun(redis: Any, op: Op) -> Any:
-    try:
-        step = next(op)
-        while True:
-            try:
-                if isinstance(step, _Work):
-                    reply = await asyncio.to_thread(step.run)
-                else:
-                    reply = await _asend(redis, step)
-            except BaseException as exc:
-                step = op.throw(exc)
-            else:
-                step = op.send(reply)
-    except StopIteration as done:
-        return done.value
-
-
-BULK_OPTIONS = ("replace", "promote", "applied", "source")
-
-
-def _job(
-    handle: Any, capacity: int | None, plan: Plan, share: Share | None, options: dict[str, Any]
-) -> _Job:
-    """The job for a plain or sharded handle (guard/filter.py, guard/sharded.py); ``plan``
-    refuses an option it does not know, as reserve() does."""
-    params = {k: v for k, v in options.items() if k not in BULK_OPTIONS}
-    flags = {
-        "replace": options.get("replace", False),
-        "promote": options.get("promote", True),
-        "applied": options.get("applied", 0),
-        "source": options.get("source", 0),
-    }
-    shards = getattr(handle, "shards", None)
-    if shards is not None and (flags["applied"] or flags["source"]):
-        # As reserve(): only a plain filter follows a change log (guard/changes.py).
-        raise InvalidParameterError("a sharded filter takes no applied/source")
-    staging = handle.staging()
-    if flags["promote"] and staging.key(0) == handle.key(0):
+def load_op(
+    handle: Handle,
+    items: Items,
+    capacity: int | None,
+    params: dict[str, Any],
+    *,
+    replace: bool,
+    promote: bool,
+    applied: int,
+    source: int,
+) -> Op[Any]:
+    """``bulk_load`` of ``handle`` (see guard/facade.py): every argument checked as reserve()
+    checks it, before any I/O; the input read and hashed; each part built, then uploaded to
+    the staging copy; the copy promoted; the info of what was written."""
+    made = FilterParams.of(1 if capacity is None else capacity, **params)
+    stage = handle.staging()
+    target = stage._bulk_target(applied, source)
+    if promote and stage.key(0) == handle.key(0):
         # A staging handle's own staging copy is itself: promoting it onto "its live keys"
         # would delete the build.
         raise InvalidParameterError(
             "bulk_load on a staging copy writes it and stops there: pass promote=False, then "
-            "call its promote()"
+            "call its promote()",
+            param="promote",
+            filter=handle.name,
         )
-    if shards is None:
-        targets = [_Target(handle.name, handle.key, staging.key)]
-    else:
-        targets = [
-            _Target(handle.name, partial(handle.key, i), partial(staging.key, i))
-            for i in range(shards)
-        ]
-    return _Job.make(targets, shards or 0, plan, share, capacity, params, **flags)
+    seed = made.seed
+    if promote and not replace:  # refused before the input is read, and again by promote
+        if (yield from handle._exists_op()):
+            raise FilterExistsError(f"{handle.name}: filter exists", filter=handle.name)
+    elif seed is None and target.keep_seed:
+        # A sharded filter replaced keeps its seed, as its staging copy does (sharded.py): an
+        # item routes to the same shard in both, so a lookup between two shards' promotes
+        # still finds it.
+        seed = yield from target.keep_seed()
+    # Sized now (a filter too large for a Redis string is refused before any I/O); the seed
+    # drawn as reserve() draws it, unless one is given or kept.
+    seed = target.params(made, made.capacity, seed).layout().seed
+    sink = Hashes(seed, len(target.parts))
+    yield from _read_op(items, sink)
+    part = target.params(made, max(1, sink.count) if capacity is None else capacity, seed)
+    layout = part.layout()
+    header = pack_header(
+        layout, part.capacity, part.error_rate, target.shards, applied=applied, source=source
+    )
+    try:
+        yield from stage._drop_op()  # an older staging copy
+        for i, filter_part in enumerate(target.parts):
+            built = yield Work(partial(_build, sink, i, layout, header, handle.name))
+            yield from upload_op(filter_part.key, built)
+            del built
+        if promote:
+            yield from stage._promote_op(only_if_new=not replace)
+    except Exception:
+        with suppress(Exception):  # a failure here must not hide the one being raised
+            yield from stage._drop_op()
+        raise
+    return (yield from (handle if promote else stage)._info_op())
 
 
-def bulk_load(
-    handle: Any,
-    items: Items,
-    capacity: int | None = None,
-    *,
-    plan: Plan,
-    share: Share | None = None,
-    **options: Any,
-) -> Any:
-    """Make ``handle``'s filter (SyncCuckooFilter or SyncShardedCuckooFilter) from ``items``.
-
-    ``plan`` and ``share`` are the facade's sizing (reserve()'s layout planner; a shard's
-    capacity from the total): the handles' own bulk_load methods pass them, so that the
-    builder imports no facade.
-
-    ``items``: str/bytes items, or lists of them, streamed (the filter is a multiset: each
-    occurrence is stored). ``capacity`` (the total, for a sharded filter) and the options
-    ``reserve()`` takes; capacity None sizes the filter for the items read. And:
-
-    * ``replace=False``: True swaps out an existing filter atomically (else FilterExistsError,
-      raised before the input is read, and checked again by the swap itself);
-    * ``promote=True``: False leaves the build in the staging copy (``handle.staging()``) for
-      the caller to change and promote;
-    * ``applied=0``, ``source=0``: the change-log position the items reflect (stored format
-      version 3: sub-filter 0's header).
-
-    Returns the info of the filter written (the staging copy's when not promoted).
-    """
-    job = _job(handle, capacity, plan, share, options)
-    sink = Hashes(_run(handle.redis, job.prepare_op()), len(job.targets))
-    for chunk in _chunks(items):
-        sink.add(chunk)
-    _run(handle.redis, job.run_op(sink))
-    return (handle if job.promote else handle.staging()).info()
+def _read_op(items: Items, sink: Hashes) -> Op[None]:
+    """The input into ``sink``; an async iterable's batches awaited one by one."""
+    if not isinstance(items, AsyncIterable):
+        yield Work(partial(sink.add_all, items))
+        return
+    batches = _achunks(items)
+    while (chunk := (yield Work(partial(anext, batches, None), awaits=True))) is not None:
+        yield Work(partial(sink.add, chunk))
 
 
-async def abulk_load(
-    handle: Any,
-    items: Items | AsyncIterable[Any],
-    capacity: int | None = None,
-    *,
-    plan: Plan,
-    share: Share | None = None,
-    **options: Any,
-) -> Any:
-    """``bulk_load`` for CuckooFilter and ShardedCuckooFilter; ``items`` may be an async
-    iterable too. Hashing and placement run in a worker thread, off the event loop."""
-    job = _job(handle, capacity, plan, share, options)
-    sink = Hashes(await _arun(handle.redis, job.prepare_op()), len(job.targets))
-    if isinstance(items, AsyncIterable):
-        async for chunk in _achunks(items):
-            await asyncio.to_thread(sink.add, chunk)
-    else:
-        chunks = _chunks(items)
-        while chunk := await asyncio.to_thread(next, chunks, None):
-            await asyncio.to_thread(sink.add, chunk)
-    await _arun(handle.redis, job.run_op(sink))
-    return await (handle if job.promote else handle.staging()).info()
+def _build(sink: Hashes, part: int, layout: Layout, header: bytes, name: str) -> BuiltFilter:
+    # The hashes are handed over here, in the runner (a worker thread on asyncio): build()
+    # holds the only reference, and frees each array as soon as it is done with it.
+    return build(*sink.take(part), layout, header, name=name)
+
+
+def upload_op(key: Callable[[int], str], built: BuiltFilter) -> Op[None]:
+    """Write ``built`` under ``key(n)``, the keys of a staging copy that holds nothing.
+
+    Each string is written so that it passes the scripts' layout check only once whole: the
+    tag first (creating the string at its exact length, as reserve does), then the table in
+    pieces, the header last; and sub-filter 0, whose header a promote reads first, last."""
+    calls: list[Call | Command] = []
+    size = 0
+    for n in reversed(range(len(built.strings))):
+        data = memoryview(built.strings[n])
+        tag_at = len(data) - TAG_BYTES
+        pieces = [(tag_at, data[tag_at:])]
+        pieces += [(at, data[at : min(at + UPLOAD_BYTES, tag_at)])
+                   for at in range(HEADER_BYTES, tag_at, UPLOAD_BYTES)]  # fmt: skip
+        pieces.append((0, data[:HEADER_BYTES]))
+        for at, piece in pieces:
+            calls.append(Command("SETRANGE", [key(n), at, piece]))
+            size += len(piece)
+            if size >= PIPELINE_BYTES:
+                yield Round(calls)
+                calls, size = [], 0
+    if calls:
+        yield Round(calls)

@@ -19,6 +19,7 @@ from typing import Any, Self
 from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from guard import hashing, scripts
+from guard.bulk import Target
 from guard.changes import ApplyResult, Change, applied_op, apply_op, undo_op
 from guard.errors import (
     FilterCorruptError,
@@ -159,6 +160,12 @@ class FilterOps:
             layout, params.capacity, params.error_rate, applied=applied, source=source
         )
         return (yield from self._create_op(layout, header))
+
+    def _bulk_target(self, applied: int, source: int) -> Target:
+        """What a bulk build (guard/bulk.py) writes when this is the staging copy: itself."""
+        APPLIED.check("applied", applied)
+        SOURCE.check("source", source)
+        return Target([self])
 
     def _create_op(self, layout: Layout, header: bytes) -> Op[FilterInfo]:
         total = string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)

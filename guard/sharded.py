@@ -16,8 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Self
 
+from guard.bulk import Target
 from guard.errors import (
     FilterCorruptError,
     FilterExistsError,
@@ -237,6 +239,14 @@ class ShardedOps:
     def _exists_op(self) -> Op[bool]:
         return self._handles[0]._exists_op()
 
+    def _no_change_log(self, applied: int, source: int) -> None:
+        if applied or source:
+            raise InvalidParameterError(
+                "a sharded filter follows no change log: it takes no applied or source",
+                param="applied" if applied else "source",
+                filter=self.name,
+            )
+
     def _refuse_existing_op(self) -> Op[None]:
         """FilterExistsError when any shard exists."""
         answers = yield {
@@ -248,13 +258,15 @@ class ShardedOps:
         if any(answer[0] for answer in answers.values()):
             raise FilterExistsError(f"{self.name}: filter exists", filter=self.name)
 
+    def _bulk_target(self, applied: int, source: int) -> Target:
+        """What a bulk build (guard/bulk.py) writes when this is the staging copy: each shard,
+        with its share of the capacity and the live filter's seed (see ``_seed_to_keep``)."""
+        self._no_change_log(applied, source)
+        share = partial(shard_capacity, shards=self.shards)
+        return Target(list(self._handles), self.shards, share, self._seed_to_keep)
+
     def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[ShardedFilterInfo]:
-        if applied or source:
-            raise InvalidParameterError(
-                "a sharded filter follows no change log: reserve() takes no applied or source",
-                param="applied" if applied else "source",
-                filter=self.name,
-            )
+        self._no_change_log(applied, source)
         yield from self._refuse_existing_op()
         seed = params.seed
         if seed is None:

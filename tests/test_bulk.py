@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
@@ -30,6 +31,7 @@ from guard import (
     FilterCorruptError,
     FilterExistsError,
     FilterFullError,
+    FilterParams,
     InvalidParameterError,
     ShardedCuckooFilter,
     SyncCuckooFilter,
@@ -38,7 +40,6 @@ from guard import (
     hashing,
 )
 from guard import layout as fmt
-from guard.filter import plan_layout
 from guard.layout import Layout
 from tests.reference import ReferenceFilter
 
@@ -191,15 +192,7 @@ class TestProperties:
         exactly as the reference changes the same tables."""
         name_prefix = f"{prefix}{next(names)}:"
         cf = SyncCuckooFilter(sync_redis, "b", prefix=name_prefix)
-        lay = plan_layout(
-            capacity,
-            error_rate=params.get("error_rate"),
-            fingerprint_bits=params.get("fingerprint_bits"),
-            bucket_size=params["bucket_size"],
-            max_kicks=params["max_kicks"],
-            expansion=params["expansion"],
-            seed=params["seed"],
-        )
+        lay = FilterParams(capacity=capacity, **params).layout()
         sequential = ReferenceFilter(lay)
         sequential_fits = all(sequential.insert(x) for x in items)
         try:
@@ -258,10 +251,9 @@ class TestGrowthLimit:
         fitted = 0
         for seed in range(300):
             rng = random.Random(seed)
-            lay = plan_layout(
-                1, error_rate=1e-8, fingerprint_bits=None, bucket_size=4, max_kicks=0,
-                expansion=2, seed=seed,
-            )  # fmt: skip
+            lay = FilterParams(
+                capacity=1, error_rate=1e-8, bucket_size=4, max_kicks=0, expansion=2, seed=seed
+            ).layout()
             assert (lay.fp_bits, lay.buckets0) == (31, 1)
             items = [rng.choice("abcdefgh") for _ in range(rng.randint(5, 12))]
             reference = ReferenceFilter(lay)
@@ -270,7 +262,7 @@ class TestGrowthLimit:
             fitted += 1
             sink = bulk.Hashes(lay.seed)
             sink.add(items)
-            built = bulk.build(*sink.take(), lay, name="x", capacity=1, error_rate=1e-8)
+            built = bulk.build(*sink.take(), lay, fmt.pack_header(lay, 1, 1e-8), name="x")
             assert sum(built.items) == len(items)
         assert fitted > 200
 
@@ -460,6 +452,27 @@ class TestBulkLoad:
         assert (result.applied, result.gap) == (9, False)
         assert cf.lookup_many(["new", "i3", "i4"]) == [True, False, True]
 
+    def test_runs_alone_not_in_a_pipeline(self, sync_redis: redis.Redis, prefix: str) -> None:
+        """A build writes with plain commands, which a pipeline would batch as reads: it is
+        refused there, before it writes anything, and the pipeline's other calls run."""
+        cf = SyncCuckooFilter(sync_redis, "p", prefix=prefix)
+        cf.reserve(100)
+        pipe = cf.pipeline()
+        pipe.insert("a")
+        pipe.bulk_load(["x", "y"], replace=True)
+        with pytest.raises(TypeError, match="not in a pipeline"):
+            pipe.execute()
+        assert cf.lookup("a") and cf.info().items == 1
+        assert not sync_redis.exists(cf.staging().key())
+
+    def test_blocking_handle_refuses_an_async_iterable(
+        self, sync_redis: redis.Redis, prefix: str
+    ) -> None:
+        cf = SyncCuckooFilter(sync_redis, "a", prefix=prefix)
+        with pytest.raises(TypeError, match="asyncio"):
+            cf.bulk_load(batches(["a"], 1))
+        assert no_keys(sync_redis, prefix)
+
 
 class FailingClient:
     """A client whose pipelines fail (connection lost) from the ``after``-th one on."""
@@ -512,13 +525,13 @@ class TestFailures:
         as corruption (not mistaken for anything else), and the live filter stays."""
         cf = SyncCuckooFilter(sync_redis, "d", prefix=prefix)
         cf.bulk_load(["old"])
-        upload = bulk._upload_op
+        upload = bulk.upload_op
 
-        def damaging(target: Any, built: Any) -> Any:
-            yield from upload(target, built)
-            sync_redis.setrange(target.staging(0), 0, b"XXXX")
+        def damaging(key: Any, built: Any) -> Any:
+            yield from upload(key, built)
+            sync_redis.setrange(key(0), 0, b"XXXX")
 
-        monkeypatch.setattr(bulk, "_upload_op", damaging)
+        monkeypatch.setattr(bulk, "upload_op", damaging)
         with pytest.raises(FilterCorruptError, match="bad magic"):
             cf.bulk_load(["new"], replace=True)
         assert cf.lookup_many(["old", "new"]) == [True, False]
@@ -571,7 +584,7 @@ class TestSharded:
     def test_no_change_position(self, sync_redis: redis.Redis, prefix: str) -> None:
         """As reserve(): only a plain filter follows a change log."""
         sf = SyncShardedCuckooFilter(sync_redis, "sh", prefix=prefix, shards=2)
-        with pytest.raises(InvalidParameterError, match="applied/source"):
+        with pytest.raises(InvalidParameterError, match="no applied or source"):
             sf.bulk_load(["a"], applied=3)
 
     def test_existing_shard_is_refused(self, sync_redis: redis.Redis, prefix: str) -> None:
@@ -579,6 +592,24 @@ class TestSharded:
         sf.reserve(100)
         with pytest.raises(FilterExistsError):
             sf.bulk_load(["a"])
+
+    def test_filter_made_during_the_build_is_kept(
+        self, sync_redis: redis.Redis, prefix: str
+    ) -> None:
+        """As for a plain filter: no shard is swapped in once any exists."""
+        sf = SyncShardedCuckooFilter(sync_redis, "race", prefix=prefix, shards=3)
+        other = SyncShardedCuckooFilter(sync_redis, "race", prefix=prefix, shards=3)
+
+        def items() -> Iterator[str]:
+            yield "a"
+            other.reserve(100)
+            other.insert("theirs")
+            yield "b"
+
+        with pytest.raises(FilterExistsError):
+            sf.bulk_load(items())
+        assert other.lookup("theirs") and other.info().items == 1
+        assert not any(sync_redis.exists(sf.staging().key(i)) for i in range(3))
 
 
 async def batches(items: list[str], size: int) -> AsyncIterator[list[str]]:
@@ -615,6 +646,27 @@ class TestAsync:
         info = await sf.bulk_load(batches(items, 500), 4000)
         assert info.items == 4000 and info.shards == 4
         assert all(await sf.lookup_many(items))
+
+    async def test_hashing_and_placement_run_off_the_event_loop(
+        self, async_redis: aioredis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The CPU-heavy steps run in a worker thread, never in the event loop's own."""
+        threads: list[tuple[str, int]] = []
+
+        def recorded(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                threads.append((name, threading.get_ident()))
+                return function(*args, **kwargs)
+
+            return run
+
+        monkeypatch.setattr(hashing, "item_hashes", recorded("hash", hashing.item_hashes))
+        monkeypatch.setattr(bulk, "build", recorded("build", bulk.build))
+        cf = CuckooFilter(async_redis, "t", prefix=prefix)
+        for items in (batches([f"k{i}" for i in range(500)], 100), ["a", "b"]):
+            assert (await cf.bulk_load(items, 1000, replace=True)).items in (500, 2)
+        assert {name for name, _ in threads} == {"hash", "build"}
+        assert threading.get_ident() not in {thread for _, thread in threads}
 
     async def test_async_refuses_existing(self, async_redis: aioredis.Redis, prefix: str) -> None:
         cf = CuckooFilter(async_redis, "a", prefix=prefix)
