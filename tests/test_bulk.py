@@ -142,6 +142,23 @@ def no_keys(client: Any, prefix: str) -> bool:
     return not list(client.scan_iter(match=f"{prefix}*"))
 
 
+def assert_made_meanwhile_is_kept(client: Any, prefix: str, handle: Callable[[], Any]) -> None:
+    """Someone creates the filter while the input is read: promote refuses to replace it
+    (checked in the promoting script itself), and the build's staging copy goes."""
+    mine, other = handle(), handle()
+
+    def items() -> Iterator[str]:
+        yield "a"
+        other.reserve(100)
+        other.insert("theirs")
+        yield "b"
+
+    with pytest.raises(FilterExistsError):
+        mine.bulk_load(items())
+    assert other.lookup("theirs") and other.info().items == 1
+    assert not list(client.scan_iter(match=f"{prefix}*staging*"))
+
+
 SIZING = st.one_of(
     st.builds(lambda f: {"fingerprint_bits": f}, st.integers(4, 32)),
     st.builds(lambda e: {"error_rate": e}, st.sampled_from([0.5, 0.1, 0.01, 1e-3, 1e-5, 1e-8])),
@@ -372,21 +389,8 @@ class TestBulkLoad:
     def test_filter_made_during_the_build_is_kept(
         self, sync_redis: redis.Redis, prefix: str
     ) -> None:
-        """Someone creates the filter while the input is read: promote refuses to replace it
-        (checked in the promoting script itself), and the build's staging copy goes."""
-        cf = SyncCuckooFilter(sync_redis, "race", prefix=prefix)
-        other = SyncCuckooFilter(sync_redis, "race", prefix=prefix)
-
-        def items() -> Iterator[str]:
-            yield "a"
-            other.reserve(100)
-            other.insert("theirs")
-            yield "b"
-
-        with pytest.raises(FilterExistsError):
-            cf.bulk_load(items())
-        assert other.lookup("theirs") and other.info().items == 1
-        assert not sync_redis.exists(cf.staging().key())
+        handle = partial(SyncCuckooFilter, sync_redis, "race", prefix=prefix)
+        assert_made_meanwhile_is_kept(sync_redis, prefix, handle)
 
     def test_replace_swaps_atomically(self, sync_redis: redis.Redis, prefix: str) -> None:
         cf = SyncCuckooFilter(sync_redis, "r", prefix=prefix)
@@ -597,19 +601,8 @@ class TestSharded:
         self, sync_redis: redis.Redis, prefix: str
     ) -> None:
         """As for a plain filter: no shard is swapped in once any exists."""
-        sf = SyncShardedCuckooFilter(sync_redis, "race", prefix=prefix, shards=3)
-        other = SyncShardedCuckooFilter(sync_redis, "race", prefix=prefix, shards=3)
-
-        def items() -> Iterator[str]:
-            yield "a"
-            other.reserve(100)
-            other.insert("theirs")
-            yield "b"
-
-        with pytest.raises(FilterExistsError):
-            sf.bulk_load(items())
-        assert other.lookup("theirs") and other.info().items == 1
-        assert not any(sync_redis.exists(sf.staging().key(i)) for i in range(3))
+        handle = partial(SyncShardedCuckooFilter, sync_redis, "race", prefix=prefix, shards=3)
+        assert_made_meanwhile_is_kept(sync_redis, prefix, handle)
 
 
 async def batches(items: list[str], size: int) -> AsyncIterator[list[str]]:
