@@ -23,8 +23,18 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from bench import cluster, core, core_report, outages, perf, perf_http, perf_report, reliability
-from bench.suite import Measured, Section, Suite, open_target
+from bench import (
+    bulk,
+    cluster,
+    core,
+    core_report,
+    outages,
+    perf,
+    perf_http,
+    perf_report,
+    reliability,
+)
+from bench.suite import Measured, Section, Suite, open_target, single_section
 from devkit import churn
 
 SHARED_URL = "redis://127.0.0.1:6379/13"  # the machine's shared server, a database of its own
@@ -185,6 +195,14 @@ def reliability_suite(a: argparse.Namespace) -> Iterator[Suite]:
     )
 
 
+def bulk_suite(a: argparse.Namespace) -> AbstractContextManager[Suite]:
+    sizes = {**(bulk.QUICK if a.quick else bulk.FULL)}
+    sizes.update({k: v for k, v in (("count", a.items), ("sample", a.sample)) if v})
+    return single_section(
+        "bulk", "Bulk builds", a.redis_url, lambda t: bulk.measure(t, **sizes), bulk.report
+    )
+
+
 SUITES: dict[str, Entry] = {
     "core": Entry(
         "load at failure, false positives, memory and throughput on a real Redis",
@@ -209,6 +227,15 @@ SUITES: dict[str, Entry] = {
         redis_url=False,
         quick=False,
         options=(("--runs", {"type": int, "default": 3, "help": "runs per case"}),),
+    ),
+    "bulk": Entry(
+        "bulk builds: 10M keys from a file to a promoted filter, against insert_many",
+        bulk_suite,
+        report="docs/bench-bulk.md",
+        options=(
+            ("--items", {"type": int, "default": None, "help": "keys in the file (10M)"}),
+            ("--sample", {"type": int, "default": None, "help": "keys for insert_many (200k)"}),
+        ),
     ),
     "reliability": Entry(
         "worker processes churn one filter near full; checks for false negatives",

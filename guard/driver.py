@@ -4,8 +4,9 @@ An operation (guard/ops.py) does no I/O: it yields rounds of calls and is sent t
 ``transport`` does everything between that and a client: it sends a lone call by itself and
 several in one pipeline, re-sends as EVAL a script a SCRIPT FLUSH unloaded, turns script errors
 into the library's exceptions and splits a batch's replies per round. What it yields are the
-few sends a client can make (``Send``, ``SendPipeline``, ``Parallel``); ``SyncRunner`` and
-``AsyncRunner`` make them, with or without ``await``: all that differs between the two flavours.
+few sends a client can make (``Send``, ``SendPipeline``, ``Parallel``), and an operation's
+``Work``; ``SyncRunner`` and ``AsyncRunner`` make them, with or without ``await`` (Work in a
+worker thread on asyncio): all that differs between the two flavours.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, NamedTuple, TypeAlias, TypeVar
 from redis.exceptions import NoScriptError, ResponseError
 
 from guard import scripts
-from guard.ops import Batch, Call, Command, Op, Round
+from guard.ops import Batch, Call, Command, Op, Round, Work
 
 T = TypeVar("T")
 
@@ -48,25 +49,29 @@ class Parallel(NamedTuple):
     parts: list[Generator[Any, Any, Any]]
 
 
-Transport: TypeAlias = Generator[Send | SendPipeline | Parallel, Any, T]
+Transport: TypeAlias = Generator[Send | SendPipeline | Parallel | Work, Any, T]
 
 
 def transport(op: Op[T], name: str) -> Transport[T]:
-    """Drive ``op``: its rounds become sends, the replies (or errors) go back into it.
+    """Drive ``op``: its rounds become sends, the replies (or errors) go back into it; its
+    ``Work`` goes to the runner as it is.
 
     ``name`` is the filter's, for the exceptions a script's error reply becomes."""
     try:
         request = next(op)
         while True:
-            if isinstance(request, Round):
-                try:
-                    replies = yield from _round(request, name)
-                except Exception as exc:  # goes back into the operation, which may handle it
-                    request = op.throw(exc)
+            answer: Any
+            try:
+                if isinstance(request, Round):
+                    answer = yield from _round(request, name)
+                elif isinstance(request, Work):
+                    answer = yield request
                 else:
-                    request = op.send(replies)
+                    answer = yield from _batch(request, name)  # never raises: see Batch
+            except Exception as exc:  # goes back into the operation, which may handle it
+                request = op.throw(exc)
             else:
-                request = op.send((yield from _batch(request, name)))
+                request = op.send(answer)
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
 
@@ -235,7 +240,11 @@ class SyncRunner(_Runner):
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
-    def _send(self, send: Send | SendPipeline | Parallel) -> Any:
+    def _send(self, send: Send | SendPipeline | Parallel | Work) -> Any:
+        if isinstance(send, Work):
+            if send.awaits:
+                raise TypeError("a blocking handle reads no async iterable: use the asyncio one")
+            return send.call()
         if not isinstance(send, Parallel):
             function, args, kwargs = self._target(send)
             return function(*args, **kwargs)
@@ -267,7 +276,9 @@ class AsyncRunner(_Runner):
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
-    async def _send(self, send: Send | SendPipeline | Parallel) -> Any:
+    async def _send(self, send: Send | SendPipeline | Parallel | Work) -> Any:
+        if isinstance(send, Work):
+            return await (send.call() if send.awaits else asyncio.to_thread(send.call))
         if isinstance(send, Parallel):
             return await asyncio.gather(
                 *(self._drive(p) for p in send.parts), return_exceptions=True

@@ -12,8 +12,9 @@ sharded filter's (guard/sharded.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
+from guard.bulk import Items, Target, load_op
 from guard.coalesce import LookupCoalescer
 from guard.driver import AsyncRunner, SyncRunner
 from guard.hashing import to_bytes
@@ -74,7 +75,11 @@ class Facade(Generic[InfoT]):
         def _info_op(self) -> Op[InfoT]: ...
         def _exists_op(self) -> Op[bool]: ...
         def _drop_op(self) -> Op[bool]: ...
-        def _promote_op(self) -> Op[bool]: ...
+        def _promote_op(self, only_if_new: bool = False) -> Op[bool]: ...
+        def _bulk_target(self, applied: int, source: int) -> Target: ...
+        def staging(self) -> Self: ...
+
+        key: Callable[..., str]
 
     @operation
     def reserve(
@@ -88,6 +93,37 @@ class Facade(Generic[InfoT]):
         not for a sharded filter)."""
         made = FilterParams.of(capacity, **params)
         return (yield from self._reserve_op(made, applied, source))
+
+    @operation
+    def bulk_load(
+        self,
+        items: Items,
+        capacity: int | None = None,
+        *,
+        replace: bool = False,
+        promote: bool = True,
+        applied: int = 0,
+        source: int = 0,
+        **params: Any,
+    ) -> Op[InfoT]:
+        """Make the filter from ``items`` in one build (guard/bulk.py), far faster than
+        inserting them: str/bytes items or lists of them, streamed (an asyncio handle also
+        reads an async iterable, and builds in a worker thread). ``capacity`` (the total, for
+        a sharded filter; None: the items read) and ``params`` as ``reserve()`` takes them.
+        ``replace``: swap out an existing filter atomically (else FilterExistsError, raised
+        before the input is read and checked again by the swap). ``promote=False``: leave the
+        build in ``staging()`` for the caller to change and promote. ``applied``,
+        ``source``: as for ``reserve()``. Returns the info of the filter written."""
+        return load_op(
+            self,
+            items,
+            capacity,
+            params,
+            replace=replace,
+            promote=promote,
+            applied=applied,
+            source=source,
+        )
 
     @operation
     def insert(self, item: str | bytes) -> Op[bool]:

@@ -19,6 +19,7 @@ from typing import Any, Self
 from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from guard import hashing, scripts
+from guard.bulk import Target
 from guard.changes import ApplyResult, Change, applied_op, apply_op, undo_op
 from guard.errors import (
     FilterCorruptError,
@@ -159,6 +160,12 @@ class FilterOps:
             layout, params.capacity, params.error_rate, applied=applied, source=source
         )
         return (yield from self._create_op(layout, header))
+
+    def _bulk_target(self, applied: int, source: int) -> Target:
+        """What a bulk build (guard/bulk.py) writes when this is the staging copy: itself."""
+        APPLIED.check("applied", applied)
+        SOURCE.check("source", source)
+        return Target([self])
 
     def _create_op(self, layout: Layout, header: bytes) -> Op[FilterInfo]:
         total = string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
@@ -346,17 +353,20 @@ class FilterOps:
         self._layout = UNKNOWN_LAYOUT
         return bool(existed)
 
-    def _promote_op(self) -> Op[bool]:
+    def _promote_op(self, only_if_new: bool = False) -> Op[bool]:
         live = FilterOps(self.redis, self.name, self.prefix, _shard=self._shard)
-        return (yield from self._replace_op(live))
+        return (yield from self._replace_op(live, only_if_new))
 
     @forgets_on_damage
-    def _replace_op(self, live: FilterOps) -> Op[bool]:
+    def _replace_op(self, live: FilterOps, only_if_new: bool = False) -> Op[bool]:
+        """Promote this staging copy onto ``live``; when ``only_if_new``, only if no live
+        filter exists (FilterExistsError), checked in the promoting script itself."""
         keys = live._keys(MAX_SUBFILTERS) + self._keys(MAX_SUBFILTERS)
         for _ in range(MAX_RETRIES):
             if not self._layout.buckets0:
                 yield from self._probe_op()
-            (reply,) = yield Round([Call("promote", keys, self._layout.args())])
+            args = [*self._layout.args(), int(only_if_new)]
+            (reply,) = yield Round([Call("promote", keys, args)])
             if reply != [scripts.STALE]:
                 live._layout = self._layout
                 self._layout = UNKNOWN_LAYOUT

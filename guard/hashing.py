@@ -11,7 +11,8 @@ same code either way: ``hash_batch`` picks the form, by the batch's size.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from itertools import repeat
+from typing import TypeVar, cast
 
 import mmh3
 import numpy as np
@@ -45,17 +46,31 @@ def item_hash(item: str | bytes, seed: int) -> tuple[int, int]:
     return x & H_MASK, (x >> 64) & G_MASK
 
 
-def item_hashes(items: Sequence[bytes], seed: int) -> np.ndarray:
-    """``item_hash`` of many items at once: an ``(n, 2)`` int64 array of ``(h, g)`` rows.
+def item_hashes(items: Sequence[str | bytes], seed: int, shards: int = 0) -> np.ndarray:
+    """``item_hash`` of many items at once: an ``(n, 2)`` int64 array of ``(h, g)`` rows, and
+    with ``shards`` a third column, each item's ``shard_of`` (a bulk build splits by it).
 
     The 16-byte digest is the same 128-bit hash, little-endian, so its first word holds ``h``
-    and its second ``g``; one C call per item and the masking on whole arrays cost a third of
-    ``item_hash``'s Python-level bit operations.
+    and its second ``g`` and the shard bits; one C call per item and the masking on whole
+    arrays cost a third of ``item_hash``'s Python-level bit operations.
     """
+    words = np.frombuffer(_digests(items, seed), dtype="<u8").reshape(-1, 2)
+    rows = words & np.array([H_MASK, G_MASK], dtype=np.uint64)
+    if shards:
+        rows = np.column_stack([rows, (words[:, 1] >> np.uint64(32)) % np.uint64(shards)])
+    return rows.astype(np.int64)
+
+
+def _digests(items: Sequence[str | bytes], seed: int) -> bytes:
     digest = mmh3.mmh3_x64_128_digest
-    words = np.frombuffer(b"".join([digest(x, seed) for x in items]), dtype="<u8")
-    words = words.reshape(-1, 2) & np.array([H_MASK, G_MASK], dtype=np.uint64)
-    return words.astype(np.int64)
+    try:
+        return b"".join(map(digest, items, repeat(seed)))
+    except TypeError:  # the digest takes bytes only: str items are UTF-8 encoded first
+        try:
+            data = list(map(str.encode, cast("Sequence[str]", items)))  # all str: fastest
+        except TypeError:
+            data = [to_bytes(x) for x in items]  # mixed; anything else is refused here
+        return b"".join(map(digest, data, repeat(seed)))
 
 
 def hash_batch(items: Sequence[bytes], seed: int) -> Hashes:

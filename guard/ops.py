@@ -2,7 +2,8 @@
 
 An operation is a generator: it yields a ``Round`` of calls, or a ``Batch`` of rounds (one per
 shard, or per operation of a pipeline), and is sent the replies back; a round that failed is
-thrown back into it. The limits here bound what one call may cost the server.
+thrown back into it. A bulk build also yields ``Work``: what its runner does without Redis.
+The limits here bound what one call may cost the server.
 """
 
 from __future__ import annotations
@@ -48,10 +49,20 @@ class Round(NamedTuple):
     atomic: bool = False
 
 
+class Work(NamedTuple):
+    """Work without Redis that an operation hands its runner: ``call()``, CPU-heavy (a bulk
+    build's hashing and placement, guard/bulk.py) or reading the caller's input. A blocking
+    runner calls it; an asyncio runner calls it in a worker thread, off the event loop, or,
+    when ``awaits`` (the next batch of an async iterable), awaits what it returns."""
+
+    call: Callable[[], Any]
+    awaits: bool = False
+
+
 # Rounds sent together, by key; the answer maps each key to its replies or to the exception
 # its round raised (a batch never throws: each round's failure is its own).
 Batch: TypeAlias = dict[Any, Round]
-Op: TypeAlias = Generator[Round | Batch, Any, T]
+Op: TypeAlias = Generator[Round | Batch | Work, Any, T]
 
 
 # -- running several operations together ---------------------------------------------------
@@ -84,6 +95,12 @@ def lockstep(
             return
         except Exception as exc:
             results[key] = exc
+            return
+        if isinstance(request, Work):
+            # A bulk build writes with plain commands, which a batch takes for reads (and
+            # sends once when several operations send the same): it runs by itself.
+            op.close()
+            results[key] = TypeError("bulk_load runs on its handle, not in a pipeline")
             return
         stop = check(key) if check is not None else None
         if stop is not None:

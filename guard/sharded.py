@@ -16,8 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Self
 
+from guard.bulk import Target
 from guard.errors import (
     FilterCorruptError,
     FilterExistsError,
@@ -237,13 +239,16 @@ class ShardedOps:
     def _exists_op(self) -> Op[bool]:
         return self._handles[0]._exists_op()
 
-    def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[ShardedFilterInfo]:
+    def _no_change_log(self, applied: int, source: int) -> None:
         if applied or source:
             raise InvalidParameterError(
-                "a sharded filter follows no change log: reserve() takes no applied or source",
+                "a sharded filter follows no change log: it takes no applied or source",
                 param="applied" if applied else "source",
                 filter=self.name,
             )
+
+    def _refuse_existing_op(self) -> Op[None]:
+        """FilterExistsError when any shard exists."""
         answers = yield {
             i: Round([Command("EXISTS", [h.key(0)])]) for i, h in enumerate(self._handles)
         }
@@ -252,6 +257,17 @@ class ShardedOps:
                 raise answer
         if any(answer[0] for answer in answers.values()):
             raise FilterExistsError(f"{self.name}: filter exists", filter=self.name)
+
+    def _bulk_target(self, applied: int, source: int) -> Target:
+        """What a bulk build (guard/bulk.py) writes when this is the staging copy: each shard,
+        with its share of the capacity and the live filter's seed (see ``_seed_to_keep``)."""
+        self._no_change_log(applied, source)
+        share = partial(shard_capacity, shards=self.shards)
+        return Target(list(self._handles), self.shards, share, self._seed_to_keep)
+
+    def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[ShardedFilterInfo]:
+        self._no_change_log(applied, source)
+        yield from self._refuse_existing_op()
         seed = params.seed
         if seed is None:
             seed = yield from self._seed_to_keep()
@@ -321,7 +337,7 @@ class ShardedOps:
                 raise r
         return any(results.values())
 
-    def _promote_op(self) -> Op[bool]:
+    def _promote_op(self, only_if_new: bool = False) -> Op[bool]:
         live = self._live
         if live is None:
             raise InvalidParameterError(
@@ -331,8 +347,10 @@ class ShardedOps:
         # _seed_to_keep), so an item routes to the same shard in the old and the new copy and
         # a lookup between two shards' promotes still finds it.
         yield from self._open_op()
+        if only_if_new:  # no shard swapped in while any exists (each one checks again)
+            yield from live._refuse_existing_op()
         results = yield from self._fan(
-            {i: h._replace_op(live._handles[i]) for i, h in enumerate(self._handles)}
+            {i: h._replace_op(live._handles[i], only_if_new) for i, h in enumerate(self._handles)}
         )
         for r in results.values():
             if isinstance(r, BaseException):

@@ -324,18 +324,17 @@ def load(
     next(_items(file, column, header), None)  # a bad --column fails before anything is made
     with sync_redis(cfg) as redis:
         cf = SyncCuckooFilter(redis, name, cfg.key_prefix)
-        created = False
-        if not cf.exists():
-            if not create:
-                raise GuardError(f"{name}: no such filter (create it, or pass --create)")
-            cf.reserve(cfg.capacity_for(total), error_rate=error_rate)  # sized as the service sizes
-            created = True
-        try:
+        if cf.exists():
             seen, added, elapsed = _load_into(cf, name, file, column, header, batch, total)
-        except BaseException:
-            if created:
-                cf.drop()  # a failed --create leaves nothing behind
-            raise
+        elif create:
+            # Sized as the service sizes its records filter; built whole in memory and swapped
+            # in at once (guard/bulk.py): no half-loaded filter is ever visible, and a failed
+            # build leaves nothing behind.
+            capacity = cfg.capacity_for(total)
+            seen, elapsed = _build(cf, name, file, column, header, total, capacity, error_rate)
+            added = seen
+        else:
+            raise GuardError(f"{name}: no such filter (create it, or pass --create)")
         result = cf.info()
     rate = seen / elapsed if elapsed > 0 else 0.0
     console.print(
@@ -343,6 +342,76 @@ def load(
         f"{rate:,.0f} items/s; load factor {result.load_factor:.3f}, {result.items:,} items, "
         f"{_size(result.memory_bytes)}, {result.subfilters} sub-filter(s)"
     )
+
+
+def _progress() -> Progress:
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+    ]
+    return Progress(*columns, console=console, transient=False)
+
+
+def _line_chunks(path: Path, block: int = 1 << 22) -> Iterator[list[bytes]]:
+    """What ``_items(path, None, ...)`` yields, as bytes, a block of lines at a time.
+
+    A line ends at \\n, \\r or \\r\\n (as text mode with newline="" reads it); empty lines
+    are skipped; the file must be UTF-8. No Python string is made per line: for a 10M-line
+    file this reads at several times the text reader's speed.
+    """
+    rest = b""
+    with path.open("rb") as f:
+        while block_data := f.read(block):
+            data = rest + block_data
+            cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1  # never inside a character
+            data, rest = data[:cut], data[cut:]
+            if data:
+                yield _lines(path, data)
+    if rest:
+        yield _lines(path, rest)
+
+
+def _lines(path: Path, data: bytes) -> list[bytes]:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    return list(filter(None, data.replace(b"\r", b"\n").split(b"\n")))
+
+
+def _build(
+    cf: SyncCuckooFilter,
+    name: str,
+    file: Path,
+    column: str | None,
+    header: bool,
+    total: int,
+    capacity: int,
+    error_rate: float,
+) -> tuple[int, float]:
+    """Make the filter from the file with the bulk builder: (items, seconds)."""
+    start = time.perf_counter()
+    seen = 0
+    with _progress() as progress:
+        task = progress.add_task(f"read {name}", total=total)
+
+        def chunks() -> Iterator[list[Any]]:
+            nonlocal seen
+            if column is None:
+                source: Iterator[list[Any]] = _line_chunks(file)
+            else:
+                source = _batches(_items(file, column, header), 1 << 16)
+            for chunk in source:
+                seen += len(chunk)
+                progress.update(task, completed=seen)
+                yield chunk
+            progress.update(task, total=seen, completed=seen, description=f"build {name}")
+
+        cf.bulk_load(chunks(), capacity, error_rate=error_rate)
+    return seen, time.perf_counter() - start
 
 
 def _load_into(
@@ -357,14 +426,7 @@ def _load_into(
     """Insert the file's items in batches with a progress bar: (seen, added, seconds)."""
     added = seen = 0
     start = time.perf_counter()
-    columns = [
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TaskProgressColumn(),
-        TimeElapsedColumn(),
-    ]
-    with Progress(*columns, console=console, transient=False) as progress:
+    with _progress() as progress:
         task = progress.add_task(f"load {name}", total=total)
         for part in _batches(_items(file, column, header), batch):
             try:
