@@ -232,6 +232,8 @@ class PostgresDatabase:
             # the spelling the database prints counts, as for the filter's items.
             self._key_sql = f"$1::text::{self.key_type}"
         match = f"{self._k} = {self._key_sql}"
+        if self._key_sql.startswith("$1::text::"):
+            match += f" AND {self._k}::text = $1"
         if spec.own:
             self._select = f"SELECT value FROM records WHERE {match}"
         else:
@@ -531,13 +533,23 @@ class PostgresDatabase:
             "reltuples FROM pg_class WHERE oid = to_regclass($1)",
             self._t,
         )
-        self.feed_queries += 2
-        source = self._t
-        if pages > SMALL_TABLE_PAGES:
-            rows_per_page = max(1.0, float(tuples) / pages) if tuples > 0 else 50.0
-            percent = min(100.0, 100.0 * 4 * n / (rows_per_page * pages))
-            source = f"{self._t} TABLESAMPLE SYSTEM ({percent:.6f})"
-        rows = await self._feed().fetch(
-            f"SELECT {self._k}::text FROM {source} ORDER BY random() LIMIT $1", n
-        )
-        return [str(r[0]) for r in rows]
+        self.feed_queries += 1
+        sql = f"SELECT {self._k}::text FROM {{}} ORDER BY random() LIMIT $1"
+        if pages <= SMALL_TABLE_PAGES:
+            return await self._sample(sql.format(self._t), n)
+        rows_per_page = max(1.0, float(tuples) / pages) if tuples > 0 else 50.0
+        # Pages are picked one by one with this probability: aim at 4n rows and 8 pages, and
+        # widen the sample while it comes back short.
+        percent = 100.0 * max(4 * n / (rows_per_page * pages), 8 / pages)
+        while True:
+            percent = min(100.0, percent)
+            keys = await self._sample(
+                sql.format(f"{self._t} TABLESAMPLE SYSTEM ({percent:.6f})"), n
+            )
+            if len(keys) >= n or percent >= 100.0:
+                return keys
+            percent *= 4
+
+    async def _sample(self, sql: str, n: int) -> list[str]:
+        self.feed_queries += 1
+        return [str(r[0]) for r in await self._feed().fetch(sql, n)]
