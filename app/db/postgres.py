@@ -156,12 +156,13 @@ class PostgresDatabase:
         self._pool: asyncpg.Pool | None = None
         self._feed_pool: asyncpg.Pool | None = None
         self._listener: asyncpg.Connection | None = None
-        self._notified = 0  # the newest id a NOTIFY announced
-        self._woken = asyncio.Event()
+        self._woken = asyncio.Event()  # set, and replaced, by each NOTIFY
+        self.notifications = 0
         self._t, self._k = quote(self.spec.table), quote(self.spec.key_column)
         self._feed_t, self._changes_t = quote(self.spec.feed), quote(self.spec.changes)
         self._select = ""
         self._key_sql = "$1"
+        self._match = ""
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -234,6 +235,8 @@ class PostgresDatabase:
         match = f"{self._k} = {self._key_sql}"
         if self._key_sql.startswith("$1::text::"):
             match += f" AND {self._k}::text = $1"
+        # A delete's hook names the key as given: it must be the spelling the log holds.
+        self._match = match
         if spec.own:
             self._select = f"SELECT value FROM records WHERE {match}"
         else:
@@ -247,9 +250,10 @@ class PostgresDatabase:
         self._listener = await asyncpg.connect(self.url)
         await self._listener.add_listener(self.spec.channel, self._on_notify)
 
-    def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
-        with contextlib.suppress(ValueError):
-            self._notified = max(self._notified, int(payload))
+    def _on_notify(self, _conn: Any, _pid: int, _channel: str, _payload: str) -> None:
+        # Only a wake-up: the waiter reads the counter itself, so a log that was reset (ids
+        # starting again) cannot be mistaken for one that moved on.
+        self.notifications += 1
         woken, self._woken = self._woken, asyncio.Event()
         woken.set()
 
@@ -387,9 +391,7 @@ class PostgresDatabase:
         async with self._records().acquire() as conn, conn.transaction():
             await self._query()
             try:
-                status = await conn.execute(
-                    f"DELETE FROM {self._t} WHERE {self._k} = {self._key_sql}", k
-                )
+                status = await conn.execute(f"DELETE FROM {self._t} WHERE {self._match}", k)
             except asyncpg.DataError:
                 return False
             if status == "DELETE 0":
@@ -500,7 +502,7 @@ class PostgresDatabase:
         deadline = loop.time() + timeout
         while True:
             woken = self._woken  # before the read: a NOTIFY during it still wakes us
-            if self._notified > after or await self.newest_change() > after:
+            if await self.newest_change() > after:
                 return True
             left = deadline - loop.time()
             if left <= 0:
@@ -509,8 +511,6 @@ class PostgresDatabase:
                 await self._relisten()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(woken.wait(), min(left, POLL_FALLBACK_S))
-            if self._notified > after:
-                return True
 
     async def _relisten(self) -> None:
         try:
