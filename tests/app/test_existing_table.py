@@ -66,3 +66,20 @@ class TestExistingTable:
         assert r.status_code == 422
         assert r.json()["detail"][0]["loc"][: len(loc)] == loc
         assert await users.db.count() == 2
+
+
+class TestOwnTable:
+    """The service's own records table, on each database: the demo rows, writes, a rebuild."""
+
+    async def test_records_round_trip(self, start: StartService, db_url: str) -> None:
+        svc = await start(database_url=db_url, demo_records=50)
+        assert (await svc.client.get("/records/user-7")).json()["value"] == "value-7"
+        r = await svc.client.put("/records/new", json={"value": {"a": [1]}}, headers=AUTH)
+        assert r.status_code == 201
+        assert (await svc.client.get("/records/new")).json()["value"] == {"a": [1]}
+        assert (await svc.client.delete("/records/user-7", headers=AUTH)).status_code == 204
+        await svc.records.rebuild()
+        assert (await svc.client.get("/records/new")).status_code == 200
+        r = await svc.client.get("/records/user-7")
+        assert r.status_code == 404 and r.headers["X-Guard"] == "blocked"
+        assert await svc.db.newest_change() == 50 + 2
