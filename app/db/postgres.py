@@ -41,6 +41,7 @@ from app.db.base import (
     integer_key,
     quote,
     record_object,
+    redacted_url,
 )
 from guard.changes import Change
 
@@ -167,10 +168,16 @@ class PostgresDatabase:
     # ---- setup -------------------------------------------------------------------------
 
     async def connect(self) -> None:
-        self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self._pool_size)
-        self._feed_pool = await asyncpg.create_pool(
-            self.url, min_size=1, max_size=self._feed_pool_size
-        )
+        try:
+            self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self._pool_size)
+            self._feed_pool = await asyncpg.create_pool(
+                self.url, min_size=1, max_size=self._feed_pool_size
+            )
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            await self.close()
+            raise DatabaseSetupError(
+                f"GUARD_DATABASE_URL: cannot connect to {redacted_url(self.url)}: {exc}"
+            ) from exc
         try:
             async with self._pool.acquire() as conn, conn.transaction():
                 # Two services starting at once install the log once.

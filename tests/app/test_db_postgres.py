@@ -351,6 +351,12 @@ class TestTables:
         with pytest.raises(DatabaseSetupError, match="no column nick"):
             await open_database(url, table=TableSpec("loose", "id", ("nick",)))
 
+    async def test_an_unknown_database_is_one_line_without_the_password(self, url: str) -> None:
+        missing = url.replace("postgresql://postgres@", "postgresql://postgres:s3cret@") + "_gone"
+        with pytest.raises(DatabaseSetupError, match="does not exist") as bad:
+            await open_database(missing)
+        assert "s3cret" not in str(bad.value) and "postgres:***@" in str(bad.value)
+
     async def test_sample_keys_of_a_big_table(
         self, db: PostgresDatabase, conns: list[asyncpg.Connection]
     ) -> None:
