@@ -95,6 +95,11 @@ class TestSettings:
             "accepts 16+ characters that are not a placeholder such as 'change-me'",
         ),
         (
+            {"GUARD_DATABASE_URL": "mysql://db/shop"},
+            "invalid setting GUARD_DATABASE_URL: got 'mysql://db/shop'; it accepts "
+            "sqlite:///<path>, postgresql://... or postgres://...",
+        ),
+        (
             {"GUARD_FAIL_OPEN": "banana"},
             "invalid setting GUARD_FAIL_OPEN: Input should be a valid boolean, unable to "
             "interpret input (got 'banana')",
