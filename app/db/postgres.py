@@ -78,9 +78,11 @@ BEGIN
 END"""
 
     def function(name: str, body: str) -> str:
+        # The names in the body resolve as at install time, whatever search_path the
+        # writer's session has (an application writing sales.users from `public`).
         return (
             f"CREATE OR REPLACE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql "
-            f"AS $guard${body}$guard$"
+            f"SET search_path FROM CURRENT AS $guard${body}$guard$"
         )
 
     update_body = f"""

@@ -304,6 +304,24 @@ class TestTables:
             await a.close()
             await b.close()
 
+    async def test_a_table_of_another_schema(
+        self, url: str, conns: list[asyncpg.Connection]
+    ) -> None:
+        """The service finds it by search_path; writers with another search_path are logged."""
+        await conns[0].execute("CREATE SCHEMA sales")
+        await conns[0].execute("CREATE TABLE sales.orders (id bigint PRIMARY KEY, total int)")
+        db = await open_database(f"{url}?search_path=sales", table=TableSpec("orders", "id"))
+        try:
+            await conns[1].execute("INSERT INTO sales.orders VALUES (1, 10)")  # from public
+            await conns[1].execute("TRUNCATE sales.orders")
+            assert [(c.insert, c.item) for c in await db.changes_after(0, 10)] == [
+                (True, "1"),
+                (False, "1"),
+            ]
+            assert await conns[1].fetchval("SELECT count(*) FROM sales.guard_changes") == 2
+        finally:
+            await db.close()
+
     async def test_uuid_keys(self, url: str, conns: list[asyncpg.Connection]) -> None:
         await conns[0].execute("CREATE TABLE things (id uuid PRIMARY KEY, label text)")
         key = "0b4e7a0e-5bd8-4b8c-9f1e-8a0a3c1d2e3f"
