@@ -184,14 +184,16 @@ class PostgresDatabase:
             async with self._pool.acquire() as conn, conn.transaction():
                 # Two services starting at once install the log once.
                 await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", self.spec.feed)
-                if self.spec.own:
+                # Only when missing: even IF NOT EXISTS needs CREATE on the schema.
+                if self.spec.own and await conn.fetchval("SELECT to_regclass('records') IS NULL"):
                     await conn.execute(
                         "CREATE TABLE IF NOT EXISTS records "
                         "(key text PRIMARY KEY, value text NOT NULL)"
                     )
                 await self._describe_table(conn)
-                for statement in _install_sql(self.spec):
-                    await conn.execute(statement)
+                if not await self._installed(conn):
+                    for statement in _install_sql(self.spec):
+                        await conn.execute(statement)
                 await conn.execute(
                     f"INSERT INTO {self._feed_t} (source, last_id) SELECT $1, 0 "
                     f"WHERE NOT EXISTS (SELECT 1 FROM {self._feed_t})",
@@ -254,6 +256,22 @@ class PostgresDatabase:
             self._select = (
                 f"SELECT row_to_json(r)::text FROM (SELECT {cols} FROM {self._t} WHERE {match}) r"
             )
+
+    async def _installed(self, conn: asyncpg.Connection) -> bool:
+        """Whether the log's tables and the four triggers are there: then a start needs no
+        DDL, so the service's user needs no more than reads and writes of the tables."""
+        names = [self.spec.trigger(w) for w in ("insert", "delete", "update", "truncate")]
+        return bool(
+            await conn.fetchval(
+                "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL "
+                "AND (SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass($3) "
+                "AND tgname = ANY($4::text[])) = 4",
+                self._changes_t,
+                self._feed_t,
+                self._t,
+                names,
+            )
+        )
 
     async def _listen(self) -> None:
         self._listener = await asyncpg.connect(self.url)

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import random
+import uuid
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -303,6 +304,31 @@ class TestTables:
         finally:
             await a.close()
             await b.close()
+
+    async def test_a_later_start_needs_no_ddl(
+        self, url: str, conns: list[asyncpg.Connection]
+    ) -> None:
+        """Once installed, a user with only reads and writes of the tables can start it."""
+        await conns[0].execute("CREATE TABLE users (id bigint PRIMARY KEY, name text)")
+        first = await open_database(url, table=TableSpec("users", "id"))
+        await first.close()
+        role = f"db16_writer_{uuid.uuid4().hex[:8]}"  # roles are shared by every database
+        await conns[0].execute(
+            f"CREATE ROLE {role} LOGIN; "
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON users, guard_changes, guard_feed TO {role}"
+        )
+        try:
+            writer_url = url.replace("postgresql://postgres@", f"postgresql://{role}@")
+            db = await open_database(writer_url, table=TableSpec("users", "id"))
+            try:
+                assert await db.put("1", '{"name": "Ann"}') is True
+                assert [c.item for c in await db.changes_after(0, 10)] == ["1"]
+            finally:
+                await db.close()
+        finally:
+            await conns[0].execute(
+                f"REVOKE ALL ON users, guard_changes, guard_feed FROM {role}; DROP ROLE {role}"
+            )
 
     async def test_a_table_of_another_schema(
         self, url: str, conns: list[asyncpg.Connection]
