@@ -100,6 +100,14 @@ class TestSettings:
             "sqlite:///<path>, postgresql://... or postgres://...",
         ),
         (
+            {
+                "GUARD_REDIS_URL": "memory://",
+                "GUARD_RECORDS_TABLE": "users",
+                "GUARD_RECORDS_KEY_COLUMN": "id",
+            },
+            "GUARD_RECORDS_TABLE: no table 'users'",
+        ),
+        (
             {"GUARD_FAIL_OPEN": "banana"},
             "invalid setting GUARD_FAIL_OPEN: Input should be a valid boolean, unable to "
             "interpret input (got 'banana')",
