@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from starlette.convertors import Convertor, register_url_convertor
 
 from app import errors, openapi
 from app.deps import (
@@ -35,6 +36,24 @@ from guard import FilterInfo, FilterNotFoundError, FilterParams
 from guard.listing import read_filters
 
 router = APIRouter(prefix="/filters", tags=["filters"])
+
+
+class WholeText(Convertor[str]):
+    """A path's tail as it is, newlines included. Starlette's ``path`` (``.*`` in
+    ``^...$``) stops at a newline, and ``$`` matches before a final one: ``a\n`` was served
+    as the item ``a`` (so /check of ``a\n`` missed it) and ``a\nb`` as no route (404)."""
+
+    regex = "(?s:.*)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("text", WholeText())
+ITEM_PATH = "/{name}/items/{item:text}"
 
 IdemKey = Annotated[
     str | None,
@@ -268,7 +287,7 @@ async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
 
 
 @router.put(
-    "/{name}/items/{item:path}",
+    ITEM_PATH,
     status_code=201,
     response_model=Added,
     dependencies=[Auth],
@@ -299,7 +318,7 @@ async def put_item(
 
 
 @router.get(
-    "/{name}/items/{item:path}",
+    ITEM_PATH,
     response_model=Exists,
     dependencies=[ReadAuth],
     responses={**openapi.UNAUTHORIZED, **openapi.NOT_FOUND, **openapi.COMMON},
@@ -313,7 +332,7 @@ async def get_item(item: ItemPath, name: FilterName, request: Request) -> Any:
 
 
 @router.delete(
-    "/{name}/items/{item:path}",
+    ITEM_PATH,
     response_model=Deleted,
     dependencies=[Auth],
     responses={**openapi.CHANGE},
