@@ -59,7 +59,8 @@ IdemKey = Annotated[
     str | None,
     Header(
         alias=HEADER,
-        description="Retries with the same key run once; the answer is replayed",
+        description="Retries with the same key run once; the answer is replayed. A key"
+        " reused for another request is a 422",
         json_schema_extra={"pattern": KEY_PATTERN.pattern},  # checked by Idempotency.run
     ),
 ]
@@ -223,8 +224,8 @@ async def add(
     async def op() -> JSONResponse:
         return JSONResponse({"results": await cf.insert_many(body.items)})
 
-    fp = request_hash("POST", request.url.path, body.model_dump())
-    return await idem.run(cf.name, idempotency_key, fp, op)
+    digest = request_hash("POST", request.url.path, body.model_dump())
+    return await idem.run(cf.name, idempotency_key, digest, op)
 
 
 @router.post(
@@ -260,8 +261,8 @@ async def delete_items(
     async def op() -> JSONResponse:
         return JSONResponse({"results": await cf.delete_many(body.items)})
 
-    fp = request_hash("POST", request.url.path, body.model_dump())
-    return await idem.run(cf.name, idempotency_key, fp, op)
+    digest = request_hash("POST", request.url.path, body.model_dump())
+    return await idem.run(cf.name, idempotency_key, digest, op)
 
 
 @router.post(
@@ -351,5 +352,5 @@ async def delete_item(
     async def op() -> JSONResponse:
         return JSONResponse({"deleted": await cf.delete(item)})
 
-    fp = request_hash("DELETE", request.url.path, None)
-    return await idem.run(cf.name, idempotency_key, fp, op)
+    digest = request_hash("DELETE", request.url.path, None)
+    return await idem.run(cf.name, idempotency_key, digest, op)
