@@ -162,9 +162,6 @@ def fp_bits_for(error_rate: float, bucket_size: int, growing: bool) -> int:
     return max(MIN_FP_BITS, math.ceil(bits))
 
 
-SHARDS_BIT_OFFSET = SHARDS_AT * 8  # shard count of a sharded filter (0 = not sharded)
-
-
 def pack_header(
     layout: Layout,
     capacity: int,
@@ -229,7 +226,7 @@ def unpack_header(data: bytes) -> Header:
 
 
 def unpack_table(data: bytes, buckets: int, bucket_size: int, fp_bits: int) -> list[int]:
-    """Decode a sub-filter string's slots (for tests, export and other clients)."""
+    """Decode a sub-filter string's slots (for tests and other clients)."""
     # One pass over a bit string: shifting one big integer per slot would be quadratic.
     bits = "".join(f"{byte:08b}" for byte in data[HEADER_BYTES:-TAG_BYTES])
     return [
