@@ -44,9 +44,10 @@ from guard import (
 )
 from guard.dump import export_filter, import_filter, validate_dump
 from guard.listing import read_filters_sync
+from guard.names import NAME_RULE
 from guard.params import DEFAULTS, FIELDS, FilterParams
 
-Name = Annotated[str, typer.Argument(help="Filter name (1-64 of A-Z a-z 0-9 _ . -).")]
+Name = Annotated[str, typer.Argument(help=f"Filter name ({NAME_RULE}).")]
 Force = Annotated[
     bool, typer.Option("--force", help="Allow changing the service's records filter.")
 ]
