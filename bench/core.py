@@ -203,7 +203,7 @@ class FillRun:
 
 
 def read_table(r: redis.Redis, cf: SyncCuckooFilter, slots: int, f: int) -> list[int]:
-    """Sub-filter 0's slots, decoded in one pass (layout.unpack_table is quadratic)."""
+    """Sub-filter 0's slots, decoded in one pass."""
     data = r.get(cf.key(0)) or b""
     table = data[layout.HEADER_BYTES : -1]
     bits = format(int.from_bytes(table, "big"), f"0{len(table) * 8}b")

@@ -242,15 +242,6 @@ def unpack_header(data: bytes) -> Header:
     )  # fmt: skip
 
 
-def unpack_table(data: bytes, buckets: int, bucket_size: int, fp_bits: int) -> list[int]:
-    """Decode a sub-filter string's slots (for tests and other clients)."""
-    # One pass over a bit string: shifting one big integer per slot would be quadratic.
-    bits = "".join(f"{byte:08b}" for byte in data[HEADER_BYTES:-TAG_BYTES])
-    return [
-        int(bits[k : k + fp_bits], 2) for k in range(0, buckets * bucket_size * fp_bits, fp_bits)
-    ]
-
-
 class Stored(NamedTuple):
     """What the probe read of one sub-filter string: the replies to ``probe_reads(key)``."""
 

@@ -25,6 +25,15 @@ def lehmer_seed(h: int, g: int) -> int:
     return (h + g) % (P31 - 1) + 1
 
 
+def unpack_table(data: bytes, buckets: int, bucket_size: int, fp_bits: int) -> list[int]:
+    """A sub-filter string's slots, laid out as the twin's tables (tests compare the two)."""
+    # One pass over a bit string: shifting one big integer per slot would be quadratic.
+    bits = "".join(f"{byte:08b}" for byte in data[layout.HEADER_BYTES : -layout.TAG_BYTES])
+    return [
+        int(bits[k : k + fp_bits], 2) for k in range(0, buckets * bucket_size * fp_bits, fp_bits)
+    ]
+
+
 class SourceMismatch(Exception):
     """The filter follows another change log (the library raises ChangeSourceError)."""
 

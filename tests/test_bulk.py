@@ -41,7 +41,7 @@ from guard import (
     layout,
 )
 from guard.layout import Layout
-from tests.reference import ReferenceFilter
+from tests.reference import ReferenceFilter, unpack_table
 
 Signature = tuple[int, int, int, int]  # sub-filter, fingerprint, lower bucket, higher bucket
 
@@ -59,7 +59,7 @@ def stored_layout(client: Any, key: Callable[[int], str]) -> Layout:
 
 def tables(strings: list[bytes], lay: Layout) -> list[list[int]]:
     return [
-        layout.unpack_table(s, lay.buckets(n), lay.bucket_size, lay.fp_bits_at(n))
+        unpack_table(s, lay.buckets(n), lay.bucket_size, lay.fp_bits_at(n))
         for n, s in enumerate(strings)
     ]
 

@@ -10,6 +10,7 @@ import redis
 
 from guard import FilterCorruptError, SyncCuckooFilter, layout
 from guard.dump import export_filter
+from tests.reference import unpack_table
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ class TestHeader:
         cf.insert("a")
         lay = cf._layout
         raw = sync_redis.get(cf.key())
-        table = layout.unpack_table(raw, lay.buckets(0), lay.bucket_size, lay.fp_bits)
+        table = unpack_table(raw, lay.buckets(0), lay.bucket_size, lay.fp_bits)
         assert sum(1 for slot in table if slot) == 1
         assert raw[layout.RESERVED_AT : layout.HEADER_BYTES] == bytes(
             layout.HEADER_BYTES - layout.RESERVED_AT

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from guard import Change, ChangeSourceError, FilterFullError, SyncCuckooFilter, layout
-from tests.reference import ReferenceFilter, SourceMismatch
+from tests.reference import ReferenceFilter, SourceMismatch, unpack_table
 
 ITEMS = st.text(alphabet="abcdefghij", min_size=1, max_size=3)
 SOURCE = 0xC0FFEE  # the change log the model's filters follow (another one is refused)
@@ -25,9 +25,7 @@ SOURCE = 0xC0FFEE  # the change log the model's filters follow (another one is r
 
 def redis_tables(client: redis.Redis, cf: SyncCuckooFilter, lay: layout.Layout) -> list[list[int]]:
     return [
-        layout.unpack_table(
-            client.get(cf.key(n)), lay.buckets(n), lay.bucket_size, lay.fp_bits_at(n)
-        )
+        unpack_table(client.get(cf.key(n)), lay.buckets(n), lay.bucket_size, lay.fp_bits_at(n))
         for n in range(lay.subfilters)
     ]
 
