@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -21,6 +20,7 @@ from guard import (
     FilterNotFoundError,
     InvalidParameterError,
 )
+from guard.connect import connect
 from tests.app.conftest import AUTH, StartService
 
 # A Redis that is down is a real socket that refuses: these run on the "redis" backend only.
@@ -153,7 +153,7 @@ class TestOutOfMemory:
         server = RedisProcess.start("--maxmemory-policy", "noeviction")
         try:
             svc = await start(redis_url=server.url)
-            admin = redis.Redis(port=server.port)  # the test's own, to lower the limit
+            admin = connect(server.url)  # the test's own, to lower the limit
             admin.config_set("maxmemory", 1)  # below what an empty server already uses
             admin.close()
             r = await svc.client.put("/filters/u", json={"capacity": 10}, headers=AUTH)
