@@ -16,7 +16,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -100,7 +100,7 @@ def error_response(exc: BaseException, retry_after: int = 1) -> JSONResponse | N
         return json_response(409, {"detail": str(exc)})
     if isinstance(exc, FilterFullError):
         return json_response(507, {"detail": str(exc), "results": list(exc.results)})
-    if isinstance(exc, ResponseError) and str(exc).startswith("OOM"):
+    if isinstance(exc, OutOfMemoryError):
         return json_response(507, {"detail": "Redis is out of memory (maxmemory)"})
     if isinstance(exc, RedisConnectionError | RedisTimeoutError | ReadOnlyError):
         headers = {"Retry-After": str(retry_after)}

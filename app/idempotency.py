@@ -63,7 +63,7 @@ class Idempotency:
         self,
         filter_name: str,
         idem_key: str | None,
-        request_fp: str,
+        request_digest: str,
         op: Callable[[], Awaitable[JSONResponse]],
     ) -> JSONResponse:
         what = f"changing filter {filter_name!r}"
@@ -73,8 +73,14 @@ class Idempotency:
         if not KEY_PATTERN.match(idem_key):
             raise BadInput(("header", HEADER), "must be 1-255 printable ASCII characters")
         key = self._key(filter_name, idem_key)
+        # "fp" holds the request's digest (its name in records older versions wrote too).
         claim = json.dumps(
-            {"state": "pending", "fp": request_fp, "token": uuid.uuid4().hex, "since": time.time()}
+            {
+                "state": "pending",
+                "fp": request_digest,
+                "token": uuid.uuid4().hex,
+                "since": time.time(),
+            }
         )
         deadline = time.monotonic() + self.wait_s
         # The claim lives as long as a stored answer would. If this process dies after the
@@ -82,7 +88,7 @@ class Idempotency:
         # 409 (in doubt) instead of running a second time, for a delete could then remove
         # another item's fingerprint.
         while not await self.redis.set(key, claim, nx=True, px=self.ttl_ms):
-            replay = await self._stored(key, request_fp)
+            replay = await self._stored(key, request_digest)
             if replay is not None:
                 return replay
             if time.monotonic() >= deadline:
@@ -97,7 +103,7 @@ class Idempotency:
             # Redis may have taken the command without its answer coming back (a timeout
             # answers 504, in doubt): a rerun could delete a second copy of a fingerprint,
             # which is a false negative. The claim is kept, marked in doubt.
-            await self._mark_in_doubt(key, request_fp)
+            await self._mark_in_doubt(key, request_digest)
             raise
         except Exception as exc:
             mapped = error_response(exc)
@@ -107,26 +113,26 @@ class Idempotency:
             response = mapped
         record = {
             "state": "done",
-            "fp": request_fp,
+            "fp": request_digest,
             "status": response.status_code,
             "body": json.loads(bytes(response.body) or b"null"),
         }
         await self.redis.set(key, json.dumps(record), px=self.ttl_ms)
         return response
 
-    async def _mark_in_doubt(self, key: str, request_fp: str) -> None:
-        record = {"state": "in-doubt", "fp": request_fp}
+    async def _mark_in_doubt(self, key: str, request_digest: str) -> None:
+        record = {"state": "in-doubt", "fp": request_digest}
         with suppress(*RedisUnreachable):  # Redis still away: the claim stays "pending"
             await self.redis.set(key, json.dumps(record), px=self.ttl_ms)
 
-    async def _stored(self, key: str, request_fp: str) -> JSONResponse | None:
+    async def _stored(self, key: str, request_digest: str) -> JSONResponse | None:
         """The stored answer for `key`; None while the first request is still running (or
         released its claim, in which case the caller claims the key itself)."""
         raw = await self.redis.get(key)
         if raw is None:
             return None
         record = json.loads(raw)
-        if record["fp"] != request_fp:
+        if record["fp"] != request_digest:
             raise BadInput(("header", HEADER), "was already used for a different request")
         if record["state"] == "in-doubt":
             raise Conflict(

@@ -16,7 +16,7 @@ from fastapi import APIRouter, FastAPI
 from starlette.routing import BaseRoute
 
 # Busiest first: a filter's item lookup, the batch check, the guarded records.
-HOT_PATHS = ("/filters/{name}/items/{item:path}", "/filters/{name}/check", "/records/{key}")
+HOT_PATHS = ("/filters/{name}/items/{item:text}", "/filters/{name}/check", "/records/{key}")
 
 
 def add_routes(app: FastAPI, routers: Iterable[APIRouter]) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from bench.suite import Target
-from guard import layout as fmt
+from guard import layout
 from guard.errors import FilterFullError
 from guard.filter import INSERT_CHUNK, KICK_BUDGET, FilterInfo, SyncCuckooFilter
 from guard.hashing import alt_bucket, fingerprint, fix_g, item_hash
@@ -120,12 +120,12 @@ def fill_to(cf: SyncCuckooFilter, tag: str, start: int, stop: int, batch: int = 
 
 def capacity_for_slots(slots: int, b: int) -> int:
     """The capacity whose table holds about ``slots`` slots (allocator slack adds some)."""
-    return math.ceil(slots * fmt.TARGET_LOAD[b])
+    return math.ceil(slots * layout.TARGET_LOAD[b])
 
 
 def slack(capacity: int, b: int, f: int = FP_BITS) -> float:
     """Room beyond what TARGET_LOAD asks for: 0 means ``capacity`` needs exactly that load."""
-    return fmt.buckets_for(capacity, b, f) * b * fmt.TARGET_LOAD[b] / capacity - 1
+    return layout.buckets_for(capacity, b, f) * b * layout.TARGET_LOAD[b] / capacity - 1
 
 
 def tight_capacity(nominal: int, b: int) -> int:
@@ -159,7 +159,7 @@ def next_pow2(n: int) -> int:
 def pow2_bytes(capacity: int, b: int = 2, f: int = 8) -> int:
     """RedisBloom's table for ``capacity`` by its sizing rule, rounded to a jemalloc class."""
     buckets = next_pow2(math.ceil(capacity / b))
-    return fmt.allocator_size(buckets * b * f // 8)
+    return layout.allocator_size(buckets * b * f // 8)
 
 
 def log_space(lo: int, hi: int, points: int) -> list[int]:
@@ -203,9 +203,9 @@ class FillRun:
 
 
 def read_table(r: redis.Redis, cf: SyncCuckooFilter, slots: int, f: int) -> list[int]:
-    """Sub-filter 0's slots, decoded in one pass (layout.unpack_table is quadratic)."""
+    """Sub-filter 0's slots, decoded in one pass."""
     data = r.get(cf.key(0)) or b""
-    table = data[fmt.HEADER_BYTES : -1]
+    table = data[layout.HEADER_BYTES : -1]
     bits = format(int.from_bytes(table, "big"), f"0{len(table) * 8}b")
     return [int(bits[k * f : (k + 1) * f], 2) for k in range(slots)]
 

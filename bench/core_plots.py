@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # no display on servers and CI; must precede pyplot
 import matplotlib.pyplot as plt
 
 from bench import core
-from guard import layout as fmt
+from guard import layout
 
 MEMORY_PNG = "bench-core-memory.png"
 LOAD_PNG = "bench-core-load.png"
@@ -66,7 +66,7 @@ def load(runs: list[core.FillRun], path: Path) -> None:
         ax.hlines(core.median(loads), x - 0.25, x + 0.25, color="C0", lw=2, zorder=3)
         if b in core.PAPER_LOAD:
             ax.hlines(core.PAPER_LOAD[b], x - 0.3, x + 0.3, color="C3", ls="--")
-        ax.hlines(fmt.TARGET_LOAD[b], x - 0.3, x + 0.3, color="C2", ls=":")
+        ax.hlines(layout.TARGET_LOAD[b], x - 0.3, x + 0.3, color="C2", ls=":")
     # Legend entries drawn once, off the data.
     ax.plot([], [], "o", color="C0", label="seeds (bar: median)")
     ax.plot([], [], "--", color="C3", label="paper target")

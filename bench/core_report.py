@@ -7,7 +7,7 @@ from typing import Any
 from bench import core
 from bench.markdown import n, pct, table, verdict
 from bench.suite import Measured, environment_table, generated_by
-from guard import layout as fmt
+from guard import layout
 
 
 def spread(values: list[float], digits: int = 3) -> str:
@@ -142,7 +142,7 @@ def load_table(runs: list[core.FillRun]) -> str:
                 spread([r.load for r in group]),
                 f">= {target}" if target else "(info)",
                 verdict(verdicts[b][1]) if target else "-",
-                f"{fmt.TARGET_LOAD[b]}",
+                f"{layout.TARGET_LOAD[b]}",
                 spread([r.fit for r in group]),
                 short_reasons(group) or "-",
             ]
@@ -393,7 +393,7 @@ before the timed rows; lookups are of absent keys.""",
 def document(m: Measured, *, env: dict[str, str], redisbloom: bool, scale: core.Scale) -> str:
     results, s = m.results, scale
     # The throughput filter's table: the same sizing measure_throughput() reserves.
-    tput_slots = fmt.buckets_for(core.capacity_for_slots(s.slots, 4), 4, core.FP_BITS) * 4
+    tput_slots = layout.buckets_for(core.capacity_for_slots(s.slots, 4), 4, core.FP_BITS) * 4
     about = {
         k: v.format(
             slots=s.slots,

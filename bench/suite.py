@@ -25,6 +25,7 @@ from bench.markdown import table
 from devkit.keys import delete_prefixed
 from devkit.redis_server import given_or_private_redis
 from guard import SyncCuckooFilter
+from guard.connect import connect
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def open_target(url: str | None, suite: str) -> Iterator[Target]:
     """The server at ``url``, or (None) a private redis-server stopped at the end. Keys go
     under ``bench:<suite>:<pid>-<random>:`` and are deleted at the end; nothing is flushed."""
     with given_or_private_redis(url) as (url, private):
-        r = redis.Redis.from_url(url)
+        r: redis.Redis = connect(url)
         prefix = f"bench:{suite}:{os.getpid()}-{secrets.token_hex(3)}:"
         env = environment(r, url)
         env["redis server"] += " (private, started by this run)" if private else " (given)"

@@ -17,9 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
 from guard import FilterFullError, SyncCuckooFilter
+from guard.connect import connect
 
 ABSENT_PER_LOOKUP = 10  # never-inserted items per lookup op: measures false positives
 OWN_PER_LOOKUP = 10
@@ -57,7 +56,7 @@ class Plan:
 
 def worker(plan: Plan, wid: int, barrier: Any, out: Any) -> None:
     """One worker process; puts its WorkerResult on `out`."""
-    client = redis.Redis.from_url(plan.url, socket_timeout=30)
+    client = connect(plan.url, socket_timeout=30)
     cf = SyncCuckooFilter(client, plan.name, prefix=plan.prefix)
     rng = random.Random(plan.seed * 1000 + wid)
     res = WorkerResult(wid)
@@ -151,7 +150,7 @@ class RunResult:
 
 def run(plan: Plan, capacity: int, bucket_size: int = 4, fingerprint_bits: int = 16) -> RunResult:
     """Create the filter (fixed size), run the workers, verify, drop the filter."""
-    client = redis.Redis.from_url(plan.url, socket_timeout=30)
+    client = connect(plan.url, socket_timeout=30)
     cf = SyncCuckooFilter(client, plan.name, prefix=plan.prefix)
     try:
         info = cf.reserve(

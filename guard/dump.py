@@ -42,6 +42,7 @@ from guard.errors import FilterCorruptError, FilterNotFoundError, GuardError
 from guard.filter import SyncCuckooFilter
 from guard.layout import (
     HEADER_BYTES,
+    INDEX_AT,
     MAX_STRING_BYTES,
     MAX_SUBFILTERS,
     TAG_BYTES,
@@ -353,7 +354,7 @@ def validate_dump(path: str | Path) -> DumpHeader:
                     head0 += piece
                 if offset == 0 and (piece[:4] != FILTER_MAGIC.to_bytes(4, "big")):
                     raise DumpError(f"corrupt dump: sub-filter {n} has no filter header")
-                if offset <= 10 < end and data[10 - offset] != n:
+                if offset <= INDEX_AT < end and data[INDEX_AT - offset] != n:
                     raise DumpError(f"corrupt dump: sub-filter {n} has the index of another")
             tag_at = header.lengths[n] - TAG_BYTES
             if end > tag_at:  # the tag may span chunks

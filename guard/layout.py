@@ -18,20 +18,35 @@ from guard.errors import FilterCorruptError
 MAGIC = 0x434B4744  # "CKGD"
 VERSION = 3
 HEADER_BYTES = 128
-# Byte offsets of the header fields that scripts and readers address one by one (the whole
-# table is in docs/format.md). Growth copies the first COMMON_BYTES of sub-filter 0's header
-# into a new sub-filter; the bytes after them belong to sub-filter 0 alone (0 elsewhere).
-SUBFILTERS_AT = 9
-INDEX_AT = 10
-SHARDS_AT = 18
-ITEMS_AT = 32
-DELETES_AT = 40
-MISSED_AT = 48
-ERROR_RATE_AT = 56
-COMMON_BYTES = 64
-APPLIED_AT = 64  # id of the last database change applied (docs/format.md, "Change feed")
-SOURCE_AT = 72  # identity of the change log the filter follows
-RESERVED_AT = 80  # to HEADER_BYTES: must be zero
+# The header's fields in byte order, as struct codes (big-endian, no padding); docs/format.md
+# has the same table for other clients. Every offset below is computed from it.
+_FIELDS = (
+    ("magic", "I"), ("version", "B"), ("bucket_size", "B"), ("fp_bits", "B"),
+    ("fp_step", "B"), ("expansion", "B"), ("subfilters", "B"), ("index", "B"), ("flags", "B"),
+    ("buckets0", "I"), ("max_kicks", "H"), ("shards", "H"), ("seed", "I"), ("capacity", "q"),
+    ("items", "q"), ("deletes", "q"), ("missed_deletes", "q"), ("error_rate", "q"),
+    ("applied", "Q"),  # id of the last database change applied (docs/format.md, "Change feed")
+    ("source", "Q"),  # identity of the change log the filter follows
+)  # fmt: skip
+# Each field's byte offset: the size of the fields before it.
+FIELD_AT = {
+    name: struct.calcsize(">" + "".join(code for _, code in _FIELDS[:k]))
+    for k, (name, _) in enumerate(_FIELDS)
+}
+# The offsets that scripts and readers address one by one. Growth copies the first
+# COMMON_BYTES of sub-filter 0's header into a new sub-filter; the bytes after them belong to
+# sub-filter 0 alone (0 elsewhere). From RESERVED_AT to HEADER_BYTES: zero.
+SUBFILTERS_AT = FIELD_AT["subfilters"]
+INDEX_AT = FIELD_AT["index"]
+SHARDS_AT = FIELD_AT["shards"]
+ITEMS_AT = FIELD_AT["items"]
+DELETES_AT = FIELD_AT["deletes"]
+MISSED_AT = FIELD_AT["missed_deletes"]
+ERROR_RATE_AT = FIELD_AT["error_rate"]
+APPLIED_AT = FIELD_AT["applied"]
+SOURCE_AT = FIELD_AT["source"]
+COMMON_BYTES = APPLIED_AT
+RESERVED_AT = SOURCE_AT + 8
 # Change ids stay below 2**53: the scripts compare and add them as Lua doubles, exactly.
 MAX_CHANGE_ID = 2**53 - 1
 MAX_SOURCE = 2**64 - 1
@@ -58,9 +73,11 @@ TARGET_LOAD = {1: 0.42, 2: 0.83, 4: 0.94, 8: 0.97}
 SMALL_TABLE_SLOTS = 4096
 SMALL_TABLE_LOAD = {1: 0.35, 2: 0.72, 4: 0.88, 8: 0.93}
 
-# struct layout of the header; byte offsets are documented in docs/format.md.
-_HEADER = struct.Struct(f">IBBBBBBBBIHHIqqqqqQQ{HEADER_BYTES - RESERVED_AT}x")
+_HEADER = struct.Struct(
+    ">" + "".join(code for _, code in _FIELDS) + f"{HEADER_BYTES - RESERVED_AT}x"
+)
 assert _HEADER.size == HEADER_BYTES
+_SIZES = {name: struct.calcsize(code) for name, code in _FIELDS}
 _DIGEST_FIELDS = struct.Struct(">BBBBBHII")  # version, b, f0, step, expansion, kicks, m0, seed
 
 
@@ -162,9 +179,6 @@ def fp_bits_for(error_rate: float, bucket_size: int, growing: bool) -> int:
     return max(MIN_FP_BITS, math.ceil(bits))
 
 
-SHARDS_BIT_OFFSET = SHARDS_AT * 8  # shard count of a sharded filter (0 = not sharded)
-
-
 def pack_header(
     layout: Layout,
     capacity: int,
@@ -228,15 +242,6 @@ def unpack_header(data: bytes) -> Header:
     )  # fmt: skip
 
 
-def unpack_table(data: bytes, buckets: int, bucket_size: int, fp_bits: int) -> list[int]:
-    """Decode a sub-filter string's slots (for tests, export and other clients)."""
-    # One pass over a bit string: shifting one big integer per slot would be quadratic.
-    bits = "".join(f"{byte:08b}" for byte in data[HEADER_BYTES:-TAG_BYTES])
-    return [
-        int(bits[k : k + fp_bits], 2) for k in range(0, buckets * bucket_size * fp_bits, fp_bits)
-    ]
-
-
 class Stored(NamedTuple):
     """What the probe read of one sub-filter string: the replies to ``probe_reads(key)``."""
 
@@ -256,25 +261,25 @@ def probe_reads(key: str) -> list[tuple[str, list[str | int]]]:
     ]
 
 
-# (field, byte offset, size, lowest, highest): every header field with a range of its own
-# (docs/format.md, "Valid values"); _common.lua:header_problem checks the same list. The
-# version comes first, on its own: another version is not damage but another format.
+# (field, lowest, highest): every header field with a range of its own (docs/format.md,
+# "Valid values"); _common.lua:header_problem checks the same list. The version comes first,
+# on its own: another version is not damage but another format.
 _RANGES = (
-    ("bucket_size", 5, 1, 1, 8),
-    ("fp_bits", 6, 1, MIN_FP_BITS, MAX_FP_BITS),
-    ("fp_step", 7, 1, 0, 1),
-    ("expansion", 8, 1, 0, MAX_EXPANSION),
-    ("subfilters", SUBFILTERS_AT, 1, 1, MAX_SUBFILTERS),
-    ("index", INDEX_AT, 1, 0, 0),
-    ("flags", 11, 1, 0, 0),
-    ("buckets0", 12, 4, 1, 2**32 - 1),
-    ("max_kicks", 16, 2, 0, MAX_KICKS_LIMIT),
-    ("shards", SHARDS_AT, 2, 0, MAX_SHARDS),
-    ("capacity", 24, 8, 1, MAX_CAPACITY),
-    ("deletes", DELETES_AT, 8, 0, 2**63 - 1),
-    ("missed_deletes", MISSED_AT, 8, 0, 2**63 - 1),
-    ("error_rate", ERROR_RATE_AT, 8, 0, MAX_ERROR_RATE_PPT - 1),
-    ("applied", APPLIED_AT, 8, 0, MAX_CHANGE_ID),
+    ("bucket_size", 1, 8),
+    ("fp_bits", MIN_FP_BITS, MAX_FP_BITS),
+    ("fp_step", 0, 1),
+    ("expansion", 0, MAX_EXPANSION),
+    ("subfilters", 1, MAX_SUBFILTERS),
+    ("index", 0, 0),
+    ("flags", 0, 0),
+    ("buckets0", 1, 2**32 - 1),
+    ("max_kicks", 0, MAX_KICKS_LIMIT),
+    ("shards", 0, MAX_SHARDS),
+    ("capacity", 1, MAX_CAPACITY),
+    ("deletes", 0, 2**63 - 1),
+    ("missed_deletes", 0, 2**63 - 1),
+    ("error_rate", 0, MAX_ERROR_RATE_PPT - 1),
+    ("applied", 0, MAX_CHANGE_ID),
 )
 
 
@@ -286,27 +291,30 @@ def version_problem(version: int) -> str:
     )
 
 
-def _field(header: bytes, at: int, size: int) -> int:
-    return int.from_bytes(header[at : at + size], "big")
+def _field(header: bytes, name: str) -> int:
+    """A header field as an unsigned integer (a signed one's negative values read as huge)."""
+    at = FIELD_AT[name]
+    return int.from_bytes(header[at : at + _SIZES[name]], "big")
 
 
 def _header_problem(header: bytes) -> str | None:
     """What is wrong with sub-filter 0's header on its own, or None."""
-    if len(header) < 5 or _field(header, 0, 4) != MAGIC:
+    if len(header) < 5 or _field(header, "magic") != MAGIC:
         return "bad magic"
-    if header[4] != VERSION:
-        return version_problem(header[4])
+    version = _field(header, "version")
+    if version != VERSION:
+        return version_problem(version)
     if len(header) < HEADER_BYTES:
         return f"truncated: {len(header)} bytes long, shorter than a header"
     if any(header[RESERVED_AT:HEADER_BYTES]):
         return f"reserved bytes {RESERVED_AT}-{HEADER_BYTES - 1} are not zero"
-    for name, at, size, low, high in _RANGES:
-        value = _field(header, at, size)
+    for name, low, high in _RANGES:
+        value = _field(header, name)
         if not low <= value <= high:
             return f"{name} {value} is out of range {low}-{high}"
-    if header[5] not in BUCKET_SIZES:
-        return f"bucket_size {header[5]} is not one of {BUCKET_SIZES}"
     layout = unpack_header(header).layout
+    if layout.bucket_size not in BUCKET_SIZES:
+        return f"bucket_size {layout.bucket_size} is not one of {BUCKET_SIZES}"
     last = layout.subfilters - 1
     if last and not layout.expansion:
         return f"subfilters {layout.subfilters} in a filter of fixed size (expansion 0)"
@@ -321,7 +329,7 @@ def _subfilter_problem(header: bytes, header0: bytes, n: int) -> str | None:
     """What is wrong with sub-filter n's header (n >= 1), or None: it is sub-filter 0's
     header as growth copied it (its first COMMON_BYTES), with its own index and item count,
     its own counters zero, and nothing of sub-filter 0's own bytes (applied, source)."""
-    if len(header) < HEADER_BYTES or _field(header, 0, 4) != MAGIC:
+    if len(header) < HEADER_BYTES or _field(header, "magic") != MAGIC:
         return "bad magic"
     count, index = header[SUBFILTERS_AT], header[INDEX_AT]
     if count != n or index != n:
@@ -342,7 +350,7 @@ def _subfilter_problem(header: bytes, header0: bytes, n: int) -> str | None:
 
 def _string_problem(layout: Layout, n: int, sub: Stored) -> str | None:
     """Items, length and tag of sub-filter n against the layout, or None."""
-    items = _field(sub.header, ITEMS_AT, 8)
+    items = _field(sub.header, "items")
     slots = layout.buckets(n) * layout.bucket_size
     if items > slots:  # also every negative count: the field is a signed 64-bit integer
         return f"items {items} is out of range 0-{slots}"

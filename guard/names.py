@@ -13,6 +13,7 @@ from guard.errors import InvalidParameterError
 
 # No ':' (shard tags use it), no braces (the hash tag), nothing a SCAN pattern would read.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+NAME_RULE = "1-64 of A-Z a-z 0-9 _ . -, not starting with . or -"  # the pattern, in words
 DEFAULT_PREFIX = "guard:"
 STAGING = ":staging"
 
@@ -20,7 +21,7 @@ STAGING = ":staging"
 def check_name(name: object) -> str:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidParameterError(
-            f"filter name must match {NAME_PATTERN.pattern} (1-64 characters), got {name!r}",
+            f"filter name must match {NAME_PATTERN.pattern} ({NAME_RULE}), got {name!r}",
             param="name",
             limit=NAME_PATTERN.pattern,
             value=name,
@@ -34,4 +35,4 @@ def base_key(prefix: str, name: str, shard: int | None = None, variant: str = ""
     return f"{prefix}{{{tag}}}{variant}"
 
 
-__all__ = ["DEFAULT_PREFIX", "NAME_PATTERN", "STAGING", "base_key", "check_name"]
+__all__ = ["DEFAULT_PREFIX", "NAME_PATTERN", "NAME_RULE", "STAGING", "base_key", "check_name"]

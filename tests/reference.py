@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from guard import hashing
-from guard import layout as fmt
+from guard import hashing, layout
 from guard.changes import Change
 from guard.layout import Layout
 
@@ -24,6 +23,15 @@ def lehmer_next(state: int) -> int:
 
 def lehmer_seed(h: int, g: int) -> int:
     return (h + g) % (P31 - 1) + 1
+
+
+def unpack_table(data: bytes, buckets: int, bucket_size: int, fp_bits: int) -> list[int]:
+    """A sub-filter string's slots, laid out as the twin's tables (tests compare the two)."""
+    # One pass over a bit string: shifting one big integer per slot would be quadratic.
+    bits = "".join(f"{byte:08b}" for byte in data[layout.HEADER_BYTES : -layout.TAG_BYTES])
+    return [
+        int(bits[k : k + fp_bits], 2) for k in range(0, buckets * bucket_size * fp_bits, fp_bits)
+    ]
 
 
 class SourceMismatch(Exception):
@@ -148,12 +156,12 @@ class ReferenceFilter:
     def _grow(self) -> bool:
         lay = self.layout
         n = len(self.tables)
-        if lay.expansion == 0 or n >= fmt.MAX_SUBFILTERS:
+        if lay.expansion == 0 or n >= layout.MAX_SUBFILTERS:
             return False
-        if lay.fp_step and lay.fp_bits + lay.fp_step * n > fmt.MAX_FP_BITS:
+        if lay.fp_step and lay.fp_bits + lay.fp_step * n > layout.MAX_FP_BITS:
             return False
         self.layout = replace(lay, subfilters=n + 1)
-        if self.layout.string_bytes(n) > fmt.MAX_STRING_BYTES:
+        if self.layout.string_bytes(n) > layout.MAX_STRING_BYTES:
             self.layout = lay
             return False
         self.tables.append(self._empty(n))

@@ -38,10 +38,10 @@ from guard import (
     SyncShardedCuckooFilter,
     bulk,
     hashing,
+    layout,
 )
-from guard import layout as fmt
 from guard.layout import Layout
-from tests.reference import ReferenceFilter
+from tests.reference import ReferenceFilter, unpack_table
 
 Signature = tuple[int, int, int, int]  # sub-filter, fingerprint, lower bucket, higher bucket
 
@@ -49,17 +49,17 @@ Signature = tuple[int, int, int, int]  # sub-filter, fingerprint, lower bucket, 
 def stored_strings(client: Any, key: Callable[[int], str]) -> list[bytes]:
     """Every sub-filter string of the filter whose sub-filter n is ``key(n)``."""
     first = client.get(key(0))
-    count = fmt.unpack_header(first).layout.subfilters
+    count = layout.unpack_header(first).layout.subfilters
     return [first, *(client.get(key(n)) for n in range(1, count))]
 
 
 def stored_layout(client: Any, key: Callable[[int], str]) -> Layout:
-    return fmt.unpack_header(client.get(key(0))).layout
+    return layout.unpack_header(client.get(key(0))).layout
 
 
 def tables(strings: list[bytes], lay: Layout) -> list[list[int]]:
     return [
-        fmt.unpack_table(s, lay.buckets(n), lay.bucket_size, lay.fp_bits_at(n))
+        unpack_table(s, lay.buckets(n), lay.bucket_size, lay.fp_bits_at(n))
         for n, s in enumerate(strings)
     ]
 
@@ -116,13 +116,13 @@ def check_stored(
     """The stored bytes of a built filter are what they must be; returns its tables."""
     strings = stored_strings(client, key)
     subs = [
-        fmt.Stored(key(n), s[: fmt.HEADER_BYTES], len(s), s[-fmt.TAG_BYTES :])
+        layout.Stored(key(n), s[: layout.HEADER_BYTES], len(s), s[-layout.TAG_BYTES :])
         for n, s in enumerate(strings)
     ]
-    lay = fmt.verify_stored(name, subs)
+    lay = layout.verify_stored(name, subs)
     slots = tables(strings, lay)
     assert_holds_exactly(slots, lay, items)
-    headers = [fmt.unpack_header(s) for s in strings]
+    headers = [layout.unpack_header(s) for s in strings]
     assert [h.items for h in headers] == [sum(map(bool, t)) for t in slots]
     assert (headers[0].deletes, headers[0].missed_deletes) == (0, 0)
     return slots
@@ -279,7 +279,7 @@ class TestGrowthLimit:
             fitted += 1
             sink = bulk.Hashes(lay.seed)
             sink.add(items)
-            built = bulk.build(*sink.take(), lay, fmt.pack_header(lay, 1, 1e-8), name="x")
+            built = bulk.build(*sink.take(), lay, layout.pack_header(lay, 1, 1e-8), name="x")
             assert sum(built.items) == len(items)
         assert fitted > 200
 
@@ -444,7 +444,7 @@ class TestBulkLoad:
         read them and carry on from there."""
         cf = SyncCuckooFilter(sync_redis, "p", prefix=prefix)
         cf.bulk_load([f"i{k}" for k in range(500)], 100, applied=7, source=9)
-        headers = [fmt.unpack_header(s) for s in stored_strings(sync_redis, cf.key)]
+        headers = [layout.unpack_header(s) for s in stored_strings(sync_redis, cf.key)]
         assert len(headers) > 1 and (headers[0].applied, headers[0].source) == (7, 9)
         assert all((h.applied, h.source) == (0, 0) for h in headers[1:])
         info = cf.info()
@@ -570,16 +570,16 @@ class TestSharded:
         for i in range(3):
             mine = [x for x in items if hashing.shard_of(x.encode(), seed, 3) == i]
             check_stored(sync_redis, partial(sf.key, i), sf.name, mine)
-            assert fmt.unpack_header(sync_redis.get(sf.key(i))).shards == 3
+            assert layout.unpack_header(sync_redis.get(sf.key(i))).shards == 3
         assert sf.delete("dup") and sf.count("dup") == 4
 
     def test_replace_keeps_the_seed(self, sync_redis: redis.Redis, prefix: str) -> None:
         """An item routes to the same shard in the old and the new copy."""
         sf = SyncShardedCuckooFilter(sync_redis, "sh", prefix=prefix, shards=2)
         sf.bulk_load(["a"], 100)
-        seed = fmt.unpack_header(sync_redis.get(sf.key(0))).layout.seed
+        seed = layout.unpack_header(sync_redis.get(sf.key(0))).layout.seed
         sf.bulk_load(["b", "c"], 100, replace=True)
-        assert fmt.unpack_header(sync_redis.get(sf.key(1))).layout.seed == seed
+        assert layout.unpack_header(sync_redis.get(sf.key(1))).layout.seed == seed
         assert sf.lookup_many(["a", "b", "c"]) == [False, True, True]
         wrong = SyncShardedCuckooFilter(sync_redis, "sh", prefix=prefix, shards=3)
         with pytest.raises(InvalidParameterError, match="2 shard"):

@@ -22,8 +22,8 @@ from guard import (
     FilterNotFoundError,
     InvalidParameterError,
     SyncCuckooFilter,
+    layout,
 )
-from guard import layout as fmt
 
 SOURCE = 0xFEED_F00D
 
@@ -232,7 +232,7 @@ class TestWatermark:
             with pytest.raises(FilterNotFoundError):
                 op()
         cf.apply_changes(adds(1, 1), source=SOURCE)
-        sync_redis.setrange(cf.key(), fmt.APPLIED_AT, b"\x80")  # above 2**53: out of range
+        sync_redis.setrange(cf.key(), layout.APPLIED_AT, b"\x80")  # above 2**53: out of range
         for op in (
             cf.applied_change,
             lambda: cf.apply_changes(adds(2, 1), source=SOURCE),

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from guard import FilterCorruptError, SyncCuckooFilter
-from guard import layout as fmt
+from guard import FilterCorruptError, SyncCuckooFilter, layout
 from guard.dump import export_filter
+from tests.reference import unpack_table
 
 
 @pytest.fixture
@@ -36,16 +36,16 @@ def every_operation(cf: SyncCuckooFilter) -> list[Callable[[], object]]:
 
 class TestHeader:
     def test_pack_and_unpack_agree(self) -> None:
-        layout = fmt.Layout(4, 16, 0, 2, 1, 500, 1000, 12345)
-        raw = fmt.pack_header(layout, 4000, 0.001, 3, applied=2**53 - 1, source=2**64 - 1)
-        assert len(raw) == fmt.HEADER_BYTES == 128
-        header = fmt.unpack_header(raw)
+        lay = layout.Layout(4, 16, 0, 2, 1, 500, 1000, 12345)
+        raw = layout.pack_header(lay, 4000, 0.001, 3, applied=2**53 - 1, source=2**64 - 1)
+        assert len(raw) == layout.HEADER_BYTES == 128
+        header = layout.unpack_header(raw)
         assert (header.version, header.layout, header.capacity, header.shards) == (
-            3, layout, 4000, 3,
+            3, lay, 4000, 3,
         )  # fmt: skip
         assert (header.applied, header.source) == (2**53 - 1, 2**64 - 1)
-        assert raw[fmt.APPLIED_AT : fmt.SOURCE_AT] == (2**53 - 1).to_bytes(8, "big")
-        assert raw[fmt.RESERVED_AT :] == bytes(fmt.HEADER_BYTES - fmt.RESERVED_AT)
+        assert raw[layout.APPLIED_AT : layout.SOURCE_AT] == (2**53 - 1).to_bytes(8, "big")
+        assert raw[layout.RESERVED_AT :] == bytes(layout.HEADER_BYTES - layout.RESERVED_AT)
 
     def test_the_table_starts_after_the_header(
         self, cf: SyncCuckooFilter, sync_redis: redis.Redis
@@ -53,17 +53,21 @@ class TestHeader:
         cf.insert("a")
         lay = cf._layout
         raw = sync_redis.get(cf.key())
-        table = fmt.unpack_table(raw, lay.buckets(0), lay.bucket_size, lay.fp_bits)
+        table = unpack_table(raw, lay.buckets(0), lay.bucket_size, lay.fp_bits)
         assert sum(1 for slot in table if slot) == 1
-        assert raw[fmt.RESERVED_AT : fmt.HEADER_BYTES] == bytes(fmt.HEADER_BYTES - fmt.RESERVED_AT)
-        assert len(raw) == fmt.HEADER_BYTES + (lay.buckets(0) * 4 * 8 + 7) // 8 + fmt.TAG_BYTES
+        assert raw[layout.RESERVED_AT : layout.HEADER_BYTES] == bytes(
+            layout.HEADER_BYTES - layout.RESERVED_AT
+        )
+        assert (
+            len(raw) == layout.HEADER_BYTES + (lay.buckets(0) * 4 * 8 + 7) // 8 + layout.TAG_BYTES
+        )
 
     def test_growth_leaves_the_watermark_to_subfilter_0(
         self, cf: SyncCuckooFilter, sync_redis: redis.Redis
     ) -> None:
         cf.insert_many([f"k{i}" for i in range(300)])
         assert cf.info().subfilters > 1
-        head1 = fmt.unpack_header(sync_redis.getrange(cf.key(1), 0, fmt.HEADER_BYTES - 1))
+        head1 = layout.unpack_header(sync_redis.getrange(cf.key(1), 0, layout.HEADER_BYTES - 1))
         assert (head1.applied, head1.source, head1.subfilter) == (0, 0, 1)
         assert cf.info().applied_change == 7
 
@@ -75,7 +79,7 @@ class TestRefused:
             with pytest.raises(FilterCorruptError, match="unsupported format version 2"):
                 op()
 
-    @pytest.mark.parametrize("at", [fmt.RESERVED_AT, fmt.HEADER_BYTES - 1])
+    @pytest.mark.parametrize("at", [layout.RESERVED_AT, layout.HEADER_BYTES - 1])
     def test_reserved_bytes_must_be_zero(
         self, cf: SyncCuckooFilter, sync_redis: redis.Redis, at: int
     ) -> None:
@@ -87,12 +91,12 @@ class TestRefused:
     def test_applied_above_2_to_the_53_is_out_of_range(
         self, cf: SyncCuckooFilter, sync_redis: redis.Redis
     ) -> None:
-        sync_redis.setrange(cf.key(), fmt.APPLIED_AT + 1, b"\x20")  # 2**53
+        sync_redis.setrange(cf.key(), layout.APPLIED_AT + 1, b"\x20")  # 2**53
         for op in every_operation(cf):
             with pytest.raises(FilterCorruptError, match="applied"):
                 op()
 
-    @pytest.mark.parametrize("at", [fmt.APPLIED_AT, fmt.SOURCE_AT + 7, fmt.RESERVED_AT])
+    @pytest.mark.parametrize("at", [layout.APPLIED_AT, layout.SOURCE_AT + 7, layout.RESERVED_AT])
     def test_a_subfilter_holds_no_watermark(
         self, cf: SyncCuckooFilter, sync_redis: redis.Redis, at: int
     ) -> None:

@@ -16,17 +16,16 @@ import redis
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from guard import Change, ChangeSourceError, FilterFullError, SyncCuckooFilter
-from guard import layout as fmt
-from tests.reference import ReferenceFilter, SourceMismatch
+from guard import Change, ChangeSourceError, FilterFullError, SyncCuckooFilter, layout
+from tests.reference import ReferenceFilter, SourceMismatch, unpack_table
 
 ITEMS = st.text(alphabet="abcdefghij", min_size=1, max_size=3)
 SOURCE = 0xC0FFEE  # the change log the model's filters follow (another one is refused)
 
 
-def redis_tables(client: redis.Redis, cf: SyncCuckooFilter, lay: fmt.Layout) -> list[list[int]]:
+def redis_tables(client: redis.Redis, cf: SyncCuckooFilter, lay: layout.Layout) -> list[list[int]]:
     return [
-        fmt.unpack_table(client.get(cf.key(n)), lay.buckets(n), lay.bucket_size, lay.fp_bits_at(n))
+        unpack_table(client.get(cf.key(n)), lay.buckets(n), lay.bucket_size, lay.fp_bits_at(n))
         for n in range(lay.subfilters)
     ]
 

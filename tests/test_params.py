@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import redis
+import typer
+from pydantic import ValidationError
+from typer.testing import CliRunner
 
+from app.cli import cli
+from app.routes.filters import ReserveIn
+from devkit.keys import delete_prefixed_at
 from guard import FilterParams, InvalidParameterError, SyncCuckooFilter, SyncShardedCuckooFilter
 from guard.layout import BUCKET_SIZES, MAX_FP_BITS, fp_bits_for
 from guard.params import DEFAULTS, FIELDS, min_error_rate
@@ -103,3 +110,45 @@ class TestReserve:
             sf.reserve(100, expansion=99)
         assert caught.value.param == "expansion"
         assert not any(sync_redis.exists(sf.key(i)) for i in range(3))
+
+
+class TestEveryEntry:
+    """The service's request body and the CLI take FilterParams' fields, defaults and
+    limits, and refuse an unknown option as reserve() does."""
+
+    def test_the_request_body_refuses_an_unknown_option(self) -> None:
+        with pytest.raises(ValidationError) as caught:
+            ReserveIn.model_validate({"capacity": 10, "bucket_sise": 2})
+        assert [(e["type"], e["loc"]) for e in caught.value.errors()] == [
+            ("extra_forbidden", ("bucket_sise",))
+        ]
+
+    def test_the_cli_refuses_an_unknown_option(self) -> None:
+        result = CliRunner().invoke(cli, ["create", "x", "-c", "10", "--bucket-sise", "2"])
+        assert result.exit_code == 2 and "No such option: --bucket-sise" in result.stderr
+
+    def test_cli_create_defaults_are_filter_params(self) -> None:
+        command = typer.main.get_command(cli).commands["create"]  # type: ignore[attr-defined]
+        options = {p.name: p for p in command.params if p.name in FIELDS}
+        assert set(options) == set(FIELDS) and options["capacity"].required
+        assert {name: options[name].default for name in DEFAULTS} == DEFAULTS
+
+    def test_load_create_sizes_as_the_records_filter(
+        self, real_redis_url: str, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Without --error-rate, ``load --create`` takes GUARD_RECORDS_ERROR_RATE, as it
+        takes the records filter's capacity rule."""
+        for name, value in (("REDIS_URL", real_redis_url), ("KEY_PREFIX", prefix),
+                            ("RECORDS_ERROR_RATE", "0.0005")):  # fmt: skip
+            monkeypatch.setenv(f"GUARD_{name}", value)
+        path = tmp_path / "items.txt"
+        path.write_text("a\nb\nc\n")
+        try:
+            result = CliRunner().invoke(cli, ["load", "f", str(path), "--create"])
+            assert result.exit_code == 0, result.stderr
+            client = redis.Redis.from_url(real_redis_url)
+            info = SyncCuckooFilter(client, "f", prefix=prefix).info()
+            client.close()
+            assert (info.items, info.target_error_rate) == (3, 0.0005)
+        finally:
+            delete_prefixed_at(real_redis_url, prefix)

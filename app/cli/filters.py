@@ -44,9 +44,10 @@ from guard import (
 )
 from guard.dump import export_filter, import_filter, validate_dump
 from guard.listing import read_filters_sync
+from guard.names import NAME_RULE
 from guard.params import DEFAULTS, FIELDS, FilterParams
 
-Name = Annotated[str, typer.Argument(help="Filter name (1-64 of A-Z a-z 0-9 _ . -).")]
+Name = Annotated[str, typer.Argument(help=f"Filter name ({NAME_RULE}).")]
 Force = Annotated[
     bool, typer.Option("--force", help="Allow changing the service's records filter.")
 ]
@@ -308,7 +309,13 @@ def load(
     create: Annotated[
         bool, typer.Option("--create", help="Create the filter if missing, sized for the file.")
     ] = False,
-    error_rate: Annotated[float, typer.Option(help="Error rate for --create.")] = 0.001,
+    error_rate: Annotated[
+        float | None,
+        typer.Option(
+            help=f"Error rate for --create: {FIELDS['error_rate'].limit.describe()} "
+            "(default GUARD_RECORDS_ERROR_RATE, as the service's records filter)."
+        ),
+    ] = None,
     redis_url: RedisUrl = None,
     prefix: Prefix = None,
     force: Force = False,
@@ -331,7 +338,8 @@ def load(
             # in at once (guard/bulk.py): no half-loaded filter is ever visible, and a failed
             # build leaves nothing behind.
             capacity = cfg.capacity_for(total)
-            seen, elapsed = _build(cf, name, file, column, header, total, capacity, error_rate)
+            target = cfg.records_error_rate if error_rate is None else error_rate
+            seen, elapsed = _build(cf, name, file, column, header, total, capacity, target)
             added = seen
         else:
             raise GuardError(f"{name}: no such filter (create it, or pass --create)")

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from starlette.convertors import Convertor, register_url_convertor
 
 from app import errors, openapi
 from app.deps import (
@@ -36,11 +37,30 @@ from guard.listing import read_filters
 
 router = APIRouter(prefix="/filters", tags=["filters"])
 
+
+class WholeText(Convertor[str]):
+    """A path's tail as it is, newlines included. Starlette's ``path`` (``.*`` in
+    ``^...$``) stops at a newline, and ``$`` matches before a final one: ``a\n`` was served
+    as the item ``a`` (so /check of ``a\n`` missed it) and ``a\nb`` as no route (404)."""
+
+    regex = "(?s:.*)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("text", WholeText())
+ITEM_PATH = "/{name}/items/{item:text}"
+
 IdemKey = Annotated[
     str | None,
     Header(
         alias=HEADER,
-        description="Retries with the same key run once; the answer is replayed",
+        description="Retries with the same key run once; the answer is replayed. A key"
+        " reused for another request is a 422",
         json_schema_extra={"pattern": KEY_PATTERN.pattern},  # checked by Idempotency.run
     ),
 ]
@@ -204,8 +224,8 @@ async def add(
     async def op() -> JSONResponse:
         return JSONResponse({"results": await cf.insert_many(body.items)})
 
-    fp = request_hash("POST", request.url.path, body.model_dump())
-    return await idem.run(cf.name, idempotency_key, fp, op)
+    digest = request_hash("POST", request.url.path, body.model_dump())
+    return await idem.run(cf.name, idempotency_key, digest, op)
 
 
 @router.post(
@@ -241,8 +261,8 @@ async def delete_items(
     async def op() -> JSONResponse:
         return JSONResponse({"results": await cf.delete_many(body.items)})
 
-    fp = request_hash("POST", request.url.path, body.model_dump())
-    return await idem.run(cf.name, idempotency_key, fp, op)
+    digest = request_hash("POST", request.url.path, body.model_dump())
+    return await idem.run(cf.name, idempotency_key, digest, op)
 
 
 @router.post(
@@ -268,7 +288,7 @@ async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
 
 
 @router.put(
-    "/{name}/items/{item:path}",
+    ITEM_PATH,
     status_code=201,
     response_model=Added,
     dependencies=[Auth],
@@ -299,7 +319,7 @@ async def put_item(
 
 
 @router.get(
-    "/{name}/items/{item:path}",
+    ITEM_PATH,
     response_model=Exists,
     dependencies=[ReadAuth],
     responses={**openapi.UNAUTHORIZED, **openapi.NOT_FOUND, **openapi.COMMON},
@@ -313,7 +333,7 @@ async def get_item(item: ItemPath, name: FilterName, request: Request) -> Any:
 
 
 @router.delete(
-    "/{name}/items/{item:path}",
+    ITEM_PATH,
     response_model=Deleted,
     dependencies=[Auth],
     responses={**openapi.CHANGE},
@@ -332,5 +352,5 @@ async def delete_item(
     async def op() -> JSONResponse:
         return JSONResponse({"deleted": await cf.delete(item)})
 
-    fp = request_hash("DELETE", request.url.path, None)
-    return await idem.run(cf.name, idempotency_key, fp, op)
+    digest = request_hash("DELETE", request.url.path, None)
+    return await idem.run(cf.name, idempotency_key, digest, op)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.errors import error_response
@@ -20,6 +20,7 @@ from guard import (
     FilterNotFoundError,
     InvalidParameterError,
 )
+from guard.connect import connect
 from tests.app.conftest import AUTH, StartService
 
 # A Redis that is down is a real socket that refuses: these run on the "redis" backend only.
@@ -144,6 +145,24 @@ class TestReconnect:
             server.stop()
 
 
+@real_socket
+class TestOutOfMemory:
+    """Redis at its maxmemory (noeviction) refuses writes: 507, not a 500."""
+
+    async def test_writes_are_507(self, start: StartService) -> None:
+        server = RedisProcess.start("--maxmemory-policy", "noeviction")
+        try:
+            svc = await start(redis_url=server.url)
+            admin = connect(server.url)  # the test's own, to lower the limit
+            admin.config_set("maxmemory", 1)  # below what an empty server already uses
+            admin.close()
+            r = await svc.client.put("/filters/u", json={"capacity": 10}, headers=AUTH)
+            assert r.status_code == 507
+            assert r.json() == {"detail": "Redis is out of memory (maxmemory)"}
+        finally:
+            server.stop()
+
+
 class TestErrorMapping:
     """app.errors.error_response: the one table of error → status."""
 
@@ -153,7 +172,7 @@ class TestErrorMapping:
             (RedisConnectionError("refused"), 503),
             (RedisTimeoutError("slow"), 503),
             (ReadOnlyError("READONLY You can't write against a read only replica."), 503),
-            (ResponseError("OOM command not allowed when used memory > 'maxmemory'."), 507),
+            (OutOfMemoryError("command not allowed when used memory > 'maxmemory'."), 507),
             (FilterNotFoundError("x"), 404),
             (FilterExistsError("x"), 409),
             (FilterFullError("x", [True, False]), 507),

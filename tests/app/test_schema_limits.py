@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -64,6 +65,53 @@ class TestReserveBody:
         assert entry["msg"] == "expansion must be an integer from 0 to 16, got 99"
 
 
+def edges(schema: dict[str, Any]) -> list[tuple[Any, bool]]:
+    """The values at a property's stated limits (accepted) and just past them (refused)."""
+    if "enum" in schema:
+        choices = schema["enum"]
+        return [(c, True) for c in choices] + [(min(choices) - 1, False), (max(choices) + 1, False)]
+    out: list[tuple[Any, bool]] = []
+    if "minimum" in schema:
+        out += [(int(schema["minimum"]), True), (int(schema["minimum"]) - 1, False)]
+    if "maximum" in schema:
+        out += [(int(schema["maximum"]), True), (int(schema["maximum"]) + 1, False)]
+    for bound in ("exclusiveMinimum", "exclusiveMaximum"):
+        if bound in schema:
+            out.append((schema[bound], False))
+    return out
+
+
+class TestEdges:
+    """Every limit the schema states, read from the schema: the value at it is accepted, the
+    one past it refused with a 422 naming the field."""
+
+    async def test_reserve_fields(self, start: StartService) -> None:
+        svc = await start(max_capacity=1000)
+        props = (await schemas(svc))["ReserveIn"]["properties"]
+        tried = 0
+        for field, schema in props.items():
+            for value, accepted in edges(schema):
+                r = await svc.client.put(
+                    f"/filters/edge{tried}", json={"capacity": 10, field: value}, headers=AUTH
+                )
+                tried += 1
+                assert r.status_code == (201 if accepted else 422), (field, value, r.text)
+                if not accepted:
+                    assert [e["loc"] for e in r.json()["detail"]] == [["body", field]], r.text
+        assert tried == 4 * 4 + 2 + 6  # 4 ranges, 2 exclusive bounds, 4 choices and 2 past
+
+    async def test_batch_size(self, start: StartService) -> None:
+        svc = await start(max_batch=7)
+        most = (await schemas(svc))["ItemsIn"]["properties"]["items"]["maxItems"]
+        await svc.client.put("/filters/b", json={"capacity": 10}, headers=AUTH)
+        for route in ("add", "check", "delete"):
+            for n, status in ((most, 200), (most + 1, 422)):
+                body = {"items": [f"i{k}" for k in range(n)]}
+                r = await svc.client.post(f"/filters/b/{route}", json=body, headers=AUTH)
+                assert r.status_code == status, (route, n, r.text)
+            assert r.json()["detail"][0]["loc"] == ["body", "items"]
+
+
 class TestItems:
     async def test_batch_and_item_limits_state_the_settings(self, start: StartService) -> None:
         svc = await start(max_batch=7, max_item_bytes=40)
@@ -82,6 +130,22 @@ class TestItems:
         assert r.status_code == 200, r.text
         r = await svc.client.post("/filters/t/check", json={"items": [item + "a"]})
         assert r.status_code == 422
+
+    @pytest.mark.parametrize("item", ["a\n", "a\nb", "\n", "a/\r\n"])
+    async def test_a_path_item_is_the_whole_item_newlines_too(
+        self, svc: Service, item: str
+    ) -> None:
+        """The schema allows any text: a newline in the path is part of the item, not dropped
+        (served as another item, /check would miss it) nor a 404."""
+        await svc.client.put("/filters/nl", json={"capacity": 10}, headers=AUTH)
+        path = "/filters/nl/items/" + quote(item, safe="/")
+        assert (await svc.client.put(path, headers=AUTH)).status_code == 201
+        r = await svc.client.post("/filters/nl/check", json={"items": [item]})
+        assert r.json() == {"results": [True]}
+        assert (await svc.client.get(path)).json() == {"exists": True}
+        assert (await svc.client.delete(path, headers=AUTH)).json() == {"deleted": True}
+        r = await svc.client.post("/filters/nl/check", json={"items": [item]})
+        assert r.json() == {"results": [False]}
 
     async def test_path_items_and_record_keys_state_the_limit(self, svc: Service) -> None:
         spec = (await svc.client.get("/openapi.json")).json()

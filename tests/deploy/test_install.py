@@ -56,6 +56,12 @@ def imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+def readme_layout() -> str:
+    """The tree drawn in README.md's "Project layout" section."""
+    text = (ROOT / "README.md").read_text().split("## Project layout", 1)[1]
+    return text.split("```", 2)[1]
+
+
 def source_files(top: str) -> list[Path]:
     return sorted((ROOT / top).rglob("*.py"))
 
@@ -259,8 +265,7 @@ class TestLayers:
         assert cycles(graph) == [["a", "b", "c"]]
 
     def test_the_readme_layout_names_every_module(self) -> None:
-        text = (ROOT / "README.md").read_text().split("## Project layout", 1)[1]
-        layout = text.split("```", 2)[1]
+        layout = readme_layout()
         missing = [
             str(path.relative_to(ROOT))
             for top in ("guard", "app", "devkit", "bench")
@@ -268,6 +273,19 @@ class TestLayers:
             if path.stem not in ("__init__", "__main__") and path.name not in layout
         ]
         assert missing == [], "README.md's Project layout omits these"
+
+    def test_the_readme_layout_names_only_modules_that_exist(self) -> None:
+        """Each ``name.py`` it lists is in the folder it is listed under (a stale or moved
+        module is a wrong map)."""
+        stale, folder = [], ""
+        for line in readme_layout().splitlines():
+            top = re.match(r"([a-z]+)/ ", line)
+            if top:
+                folder = top.group(1)
+            for name in re.findall(r"\b[\w]+\.py\b", line):
+                if not list((ROOT / folder).rglob(name)):
+                    stale.append(f"{folder}/{name}")
+        assert stale == []
 
     def test_only_the_library_and_the_service_are_installed(self) -> None:
         find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, unquote_to_bytes
 
 import httpx
 import hypothesis
@@ -13,7 +15,12 @@ import pytest
 import redis
 import schemathesis
 from schemathesis import GenerationMode
-from schemathesis.specs.openapi.checks import status_code_conformance
+from schemathesis.core.parameters import ParameterLocation
+from schemathesis.specs.openapi.checks import (
+    negative_data_rejection,
+    positive_data_acceptance,
+    status_code_conformance,
+)
 
 from devkit.redis_server import RedisProcess
 from devkit.service import AUTH, KEY_PREFIX, start_service
@@ -21,12 +28,18 @@ from devkit.service import AUTH, KEY_PREFIX, start_service
 pytestmark = pytest.mark.realredis
 
 
+MAX_ITEM_BYTES = 64
+
+
 class Fuzzed:
     def __init__(self, tmp: Path) -> None:
         self.redis = RedisProcess.start()
+        # Small limits: a generated capacity must not allocate gigabytes, and generated items
+        # and batches reach their limits.
         self.app = start_service(
-            tmp, self.redis.url, max_capacity="100000", max_body_bytes="65536"
-        )  # small limits: a generated capacity must not allocate gigabytes
+            tmp, self.redis.url, max_capacity="100000", max_body_bytes="65536",
+            max_item_bytes=str(MAX_ITEM_BYTES), max_batch="50",
+        )  # fmt: skip
         self.statuses: dict[int, int] = {}
 
 
@@ -53,19 +66,37 @@ def api_schema(fuzzed: Fuzzed) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(f"{fuzzed.app.url}/openapi.json")
 
 
-@pytest.fixture(scope="module")
-def negative_schema(fuzzed: Fuzzed) -> schemathesis.BaseSchema:
-    """Only inputs that break the schema: wrong types, out-of-range numbers, extra fields."""
+def _only(mode: GenerationMode, fuzzed: Fuzzed) -> schemathesis.BaseSchema:
     loaded = schemathesis.openapi.from_url(f"{fuzzed.app.url}/openapi.json")
-    loaded.config.generation.update(modes=[GenerationMode.NEGATIVE])
+    loaded.config.generation.update(modes=[mode])
+    # The coverage phase sends each limit's edge values (maxItems + 1, the longest name...).
+    loaded.config.phases.update(phases=["examples", "coverage", "fuzzing"])
     return loaded
 
 
+@pytest.fixture(scope="module")
+def positive_schema(fuzzed: Fuzzed) -> schemathesis.BaseSchema:
+    """Only inputs the schema allows."""
+    return _only(GenerationMode.POSITIVE, fuzzed)
+
+
+@pytest.fixture(scope="module")
+def negative_schema(fuzzed: Fuzzed) -> schemathesis.BaseSchema:
+    """Only inputs that break the schema: wrong types, out-of-range numbers, extra fields."""
+    return _only(GenerationMode.NEGATIVE, fuzzed)
+
+
 schema = schemathesis.pytest.from_fixture("api_schema")
+positive = schemathesis.pytest.from_fixture("positive_schema")
 # The routes with something to break: a body, or a filter name with a pattern. (The others
 # take no input, or any string: there is no negative case to generate for them.)
 negative = schemathesis.pytest.from_fixture("negative_schema").include(
     name_regex=r"^\w+ /filters/\{name\}|^PUT /records/"
+)
+
+# Every route that takes input: a filter name, an item or record key, a body.
+with_input = schemathesis.pytest.from_fixture("negative_schema").include(
+    name_regex=r"/filters/\{name\}|/records/\{key\}"
 )
 
 
@@ -99,6 +130,73 @@ def test_every_answer_is_documented(case: schemathesis.Case, fuzzed: Fuzzed) -> 
 @FUZZ
 def test_wrong_input_is_never_a_5xx(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
     call_and_check(case, fuzzed)
+
+
+def _fits_in_bytes(case: schemathesis.Case) -> bool:
+    """Whether the part of ``case`` that breaks the schema is items (a path's item or record
+    key, a body's items) that the API's real limit, 1-MAX_ITEM_BYTES bytes of UTF-8, takes.
+
+    JSON Schema counts characters, not bytes: the schema states the limit by cases that
+    always fit (app/openapi.py: utf8_text), so an item mixing wide and narrow characters can
+    fit without matching one. That is the one place the schema is stricter than the API."""
+    assert case.meta is not None
+    broken = case.meta.phase.data
+    if broken.parameter_location == ParameterLocation.PATH and broken.parameter in ("item", "key"):
+        value = case.path_parameters[broken.parameter]
+        if not isinstance(value, str):
+            return False
+        sizes = [len(unquote_to_bytes(value))]  # sent percent-encoded: the server's bytes
+    elif broken.parameter_location == ParameterLocation.BODY and "/items/items" in str(
+        broken.description
+    ):
+        items = case.body.get("items") if isinstance(case.body, dict) else None
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            return False
+        sizes = [len(x.encode("utf-8", "surrogatepass")) for x in items]
+    else:
+        return False
+    return all(1 <= size <= MAX_ITEM_BYTES for size in sizes)
+
+
+def check_limits_agree(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
+    """What the schema allows is accepted, what it forbids is refused: the documented limits
+    are the enforced ones."""
+    assert case.meta is not None
+    negative = case.meta.generation.mode.is_negative
+    if "/filters/{name}/" in case.operation.path:
+        # On a missing filter every item route answers 404, which proves nothing about the
+        # limits: the case's filter is made first. A negative case whose name is not the part
+        # it breaks gets a good one, so only the part it breaks is wrong.
+        broken = case.meta.phase.data
+        if negative and "name" not in {broken.parameter, *(m.parameter for m in broken.mutations)}:
+            case.path_parameters = {**(case.path_parameters or {}), "name": "fuzz-limits"}
+        name = (case.path_parameters or {}).get("name")
+        if isinstance(name, str):  # a create with a bad name is refused, as the case will be
+            url = f"{fuzzed.app.url}/filters/{quote(name, safe='')}"
+            httpx.put(url, json={"capacity": 1000}, headers=AUTH, timeout=10)
+    headers = dict(AUTH)
+    if not negative and case.headers and "Idempotency-Key" in case.headers:
+        # A key reused for another request is refused by state, not by a limit: one per case.
+        headers["Idempotency-Key"] = uuid.uuid4().hex
+    response = case.call(headers=headers, timeout=10)
+    if negative:
+        if response.status_code == 413:  # over GUARD_MAX_BODY_BYTES: refused, as documented
+            return
+        if response.status_code < 300 and _fits_in_bytes(case):
+            return
+    case.validate_response(response, checks=[positive_data_acceptance, negative_data_rejection])
+
+
+@positive.parametrize()
+@FUZZ
+def test_what_the_schema_allows_is_accepted(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
+    check_limits_agree(case, fuzzed)
+
+
+@with_input.parametrize()
+@FUZZ
+def test_what_the_schema_forbids_is_refused(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
+    check_limits_agree(case, fuzzed)
 
 
 def _body_fields(spec: dict[str, Any]) -> list[tuple[str, str, str]]:

@@ -35,8 +35,8 @@ from guard import (
     ShardedCuckooFilter,
     SyncCuckooFilter,
     SyncShardedCuckooFilter,
+    layout,
 )
-from guard import layout as fmt
 from guard.dump import export_filter
 
 # name: (reserve parameters, items inserted, shards or 0)
@@ -52,7 +52,7 @@ DAMAGE_KINDS = ["header", "tag", "truncate", "extend", "retype", "delete"]
 DAMAGE = st.tuples(
     st.sampled_from(DAMAGE_KINDS),
     st.integers(0, 63),
-    st.integers(0, fmt.HEADER_BYTES - 1),
+    st.integers(0, layout.HEADER_BYTES - 1),
     st.integers(0, 255),
 )
 
@@ -75,7 +75,7 @@ class Case:
 def _keys(r: redis.Redis, handle: Any) -> list[str]:
     """Every key of the filter: each shard's sub-filters, or the filter's."""
     shards = getattr(handle, "_handles", [handle])
-    return [h.key(n) for h in shards for n in range(fmt.MAX_SUBFILTERS) if r.exists(h.key(n))]
+    return [h.key(n) for h in shards for n in range(layout.MAX_SUBFILTERS) if r.exists(h.key(n))]
 
 
 def _damage(r: redis.Redis, keys: list[str], damage: tuple[str, int, int, int]) -> None:
@@ -88,7 +88,7 @@ def _damage(r: redis.Redis, keys: list[str], damage: tuple[str, int, int, int]) 
     if kind == "header":
         r.setrange(key, offset, bytes([value]))
     elif kind == "tag":
-        r.setrange(key, len(data) - fmt.TAG_BYTES + offset % fmt.TAG_BYTES, bytes([value]))
+        r.setrange(key, len(data) - layout.TAG_BYTES + offset % layout.TAG_BYTES, bytes([value]))
     elif kind == "truncate":
         r.set(key, data[: -(1 + offset)])
     elif kind == "extend":
@@ -103,7 +103,7 @@ def _damage(r: redis.Redis, keys: list[str], damage: tuple[str, int, int, int]) 
 def _forgot(handle: Any) -> None:
     """A handle that reported damage keeps no layout: its next call verifies again."""
     if not hasattr(handle, "_handles"):  # a sharded handle: only the damaged shard's forgets
-        assert handle._layout == fmt.UNKNOWN_LAYOUT, "kept a layout after reporting damage"
+        assert handle._layout == layout.UNKNOWN_LAYOUT, "kept a layout after reporting damage"
 
 
 class _Outcome:
