@@ -20,9 +20,11 @@ K = TypeVar("K", bound=Hashable)
 
 BATCH_CHUNK = 1000  # items per count/delete script call
 INSERT_CHUNK = 512
-# Kick steps one insert call may take in the worst case (about 1.5 us each on the server):
-# keeps a batch into a nearly full filter far below Redis's 5 s busy-script limit.
-KICK_BUDGET = 100_000
+# Work one insert or apply call may do (the script stops taking items when the next one's
+# worst case would pass it; the client sends the rest again): kick steps, each item counting
+# ITEM_WORK steps besides its kicks. PROVISIONAL: calibrated below from bench/mutations.py.
+KICK_BUDGET = 2000
+ITEM_WORK = 4
 MAX_RETRIES = 8  # times an operation reads a layout that keeps changing before it gives up
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from guard import ops
 from guard.errors import (
     FilterCorruptError,
     FilterExistsError,
@@ -45,11 +46,15 @@ _CODES: dict[str, type[GuardError]] = {
 _GUARD_REPLY = re.compile(r"GUARD_([A-Z]+) ?([^\n]*?)(?: script: .*)?$", re.S)
 
 
+# The limits a script enforces itself, from guard/ops.py (one place for both languages).
+LIMITS = f"local KICK_BUDGET, ITEM_WORK = {ops.KICK_BUDGET}, {ops.ITEM_WORK}"
+
+
 @cache
 def source(name: str) -> str:
     lua = files("guard") / "lua"
     parts = [*PIECES[name], name]
-    return "\n".join((lua / f"{part}.lua").read_text() for part in parts)
+    return "\n".join([LIMITS, *((lua / f"{part}.lua").read_text() for part in parts)])
 
 
 def register(client: Any) -> dict[str, Any]:

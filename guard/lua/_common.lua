@@ -6,8 +6,14 @@
 -- a script does is prove that view against the stored headers, lengths and tags
 -- (check_layout); a different layout returns {STALE} and writes nothing, damage an error.
 --
--- Numbers: Lua 5.1 holds integers below 2^53 exactly in doubles, and math.fmod is exact,
--- so every product below is kept under 2^53 and reduced with fmod (no `bit`: fakeredis has none).
+-- Numbers: Lua 5.1 holds integers below 2^53 exactly in doubles, so every product below is
+-- kept under 2^53 (no `bit`: fakeredis has none). `a % m` is a - floor(a / m) * m, whose
+-- rounded quotient can be one too large: the hot paths add m back when it goes negative.
+--
+-- Cost: everything here runs on every call (Redis keeps no state between calls), so the
+-- prelude defines few functions, the common case (a valid filter laid out as the caller says)
+-- is checked by arithmetic on the bytes of two GETRANGEs, and only a call that fails it runs
+-- the full check again to say what is wrong.
 
 local MAGIC, VERSION, TRAILER = 1129006916, 3, 165  -- "CKGD"
 local TAG_BYTES = 8  -- each string ends in a tag whose last byte is TRAILER (docs/format.md)
@@ -15,7 +21,6 @@ local TAG_BYTES = 8  -- each string ends in a tag whose last byte is TRAILER (do
 -- address one by one. Growth copies sub-filter 0's first COMMON_BYTES into a new sub-filter;
 -- the bytes after them (applied, source, reserved) are sub-filter 0's alone, 0 elsewhere.
 local HEADER_BYTES = 128
-local HEADER_BITS = HEADER_BYTES * 8
 local SUBFILTERS_AT, INDEX_AT, ITEMS_AT, DELETES_AT, MISSED_AT = 9, 10, 32, 40, 48
 local ERROR_RATE_AT, COMMON_BYTES = 56, 64
 local APPLIED_AT, SOURCE_AT, RESERVED_AT = 64, 72, 80
@@ -29,7 +34,7 @@ local OK, STALE, FULL, NEEDKEYS, GAP, SOURCE = 0, 1, 2, 3, 4, 5
 -- 1500 sub-commands of up to 4 values each, plus the command and key, stay under it.
 local MAX_OPS = 1500
 
-local fmod, floor = math.fmod, math.floor
+local fmod, floor, byte, char, fmt = math.fmod, math.floor, string.byte, string.char, string.format
 
 local L = {
   b = tonumber(ARGV[1]), f0 = tonumber(ARGV[2]), fstep = tonumber(ARGV[3]),
@@ -57,110 +62,108 @@ local function guard_error(code, msg)
 end
 
 -- Big-endian unsigned integer of `size` bytes at byte offset `at` of string s. Above 2^53 a
--- double rounds, which the range checks below never need to tell apart.
+-- double rounds, which the range checks never need to tell apart.
 local function field(s, at, size)
   local v = 0
-  for i = at + 1, at + size do v = v * 256 + string.byte(s, i) end
+  for i = at + 1, at + size do v = v * 256 + byte(s, i) end
   return v
 end
 
--- {name, byte offset, size, lowest, highest}: every header field with a range of its own
--- (docs/format.md, "Valid values"); guard/layout.py:_RANGES is the same list. The version
--- is checked first, on its own: another version is not damage but another format.
-local RANGES = {
-  {'bucket_size', 5, 1, 1, 8}, {'fp_bits', 6, 1, 4, 32},
-  {'fp_step', 7, 1, 0, 1}, {'expansion', 8, 1, 0, 16},
-  {'subfilters', SUBFILTERS_AT, 1, 1, MAX_SUBFILTERS}, {'index', INDEX_AT, 1, 0, 0},
-  {'flags', 11, 1, 0, 0}, {'buckets0', 12, 4, 1, 2 ^ 32 - 1},
-  {'max_kicks', 16, 2, 0, 4000}, {'shards', 18, 2, 0, 1024}, {'capacity', 24, 8, 1, 2 ^ 40},
-  {'deletes', DELETES_AT, 8, 0, 2 ^ 63 - 1}, {'missed_deletes', MISSED_AT, 8, 0, 2 ^ 63 - 1},
-  {'error_rate', ERROR_RATE_AT, 8, 0, 10 ^ 12 - 1}, {'applied', APPLIED_AT, 8, 0, MAX_CHANGE_ID},
-}
-local BUCKET_SIZES = {[1] = true, [2] = true, [4] = true, [8] = true}
 local ZEROS = string.rep('\0', HEADER_BYTES)
-
--- What is wrong with sub-filter 0's header h on its own, or nil.
-local function header_problem(h)
-  if #h < 5 or field(h, 0, 4) ~= MAGIC then return 'bad magic' end
-  local version = field(h, 4, 1)
-  if version ~= VERSION then
-    -- guard/layout.py:version_problem says the same.
-    return string.format('unsupported format version %d (this library reads version %d; '
-      .. 're-create the filter: docs/format.md, Upgrading)', version, VERSION)
-  end
-  if #h < HEADER_BYTES then
-    return string.format('truncated: %d bytes long, shorter than a header', #h)
-  end
-  if h:sub(RESERVED_AT + 1) ~= ZEROS:sub(RESERVED_AT + 1) then
-    return string.format('reserved bytes %d-%d are not zero', RESERVED_AT, HEADER_BYTES - 1)
-  end
-  for _, r in ipairs(RANGES) do
-    local v = field(h, r[2], r[3])
-    if v < r[4] or v > r[5] then
-      return string.format('%s %.0f is out of range %.0f-%.0f', r[1], v, r[4], r[5])
-    end
-  end
-  if not BUCKET_SIZES[field(h, 5, 1)] then return 'bucket_size is not one of 1, 2, 4, 8' end
-  return nil
-end
-
--- What is wrong with sub-filter n's header h (n >= 1), or nil: sub-filter 0's header h0 as
--- growth copied it, with its own index and item count and its other counters zero.
-local function subfilter_problem(h, h0, n)
-  if #h < HEADER_BYTES or field(h, 0, 4) ~= MAGIC then return 'bad magic' end
-  if field(h, SUBFILTERS_AT, 1) ~= n or field(h, INDEX_AT, 1) ~= n then
-    return 'holds the index of another sub-filter'
-  end
-  -- Byte ranges below are 1-based: (a, b] in offsets is h:sub(a + 1, b).
-  if h:sub(1, SUBFILTERS_AT) ~= h0:sub(1, SUBFILTERS_AT)
-    or h:sub(INDEX_AT + 2, ITEMS_AT) ~= h0:sub(INDEX_AT + 2, ITEMS_AT)
-    or h:sub(ERROR_RATE_AT + 1, COMMON_BYTES) ~= h0:sub(ERROR_RATE_AT + 1, COMMON_BYTES)
-    or h:sub(DELETES_AT + 1, ERROR_RATE_AT) ~= ZEROS:sub(DELETES_AT + 1, ERROR_RATE_AT)
-    or h:sub(COMMON_BYTES + 1) ~= ZEROS:sub(COMMON_BYTES + 1) then
-    return "header disagrees with sub-filter 0's"
-  end
-  return nil
-end
 
 -- The 8 bytes sub-filter n's string must end in under L (guard/layout.py: Layout.tag).
 local function expected_tag(n)
-  local digest = ''
-  for i = 5, 0, -1 do digest = digest .. string.char(fmod(floor(L.digest / 256 ^ i), 256)) end
-  return string.char(n == 0 and L.nsub or 128 + n) .. digest .. string.char(TRAILER)
+  local d = L.digest
+  return char(n == 0 and L.nsub or 128 + n, floor(d / 2 ^ 40), floor(d / 2 ^ 32) % 256,
+    floor(d / 2 ^ 24) % 256, floor(d / 2 ^ 16) % 256, floor(d / 256) % 256, d % 256, TRAILER)
 end
 
--- What is wrong with the rest of sub-filter n (items, length, tag) under L, or nil.
-local function string_problem(key, h, n)
-  local items = field(h, ITEMS_AT, 8)  -- a negative (signed) count reads above 2^63 here
-  if items > sf_buckets(n) * L.b then
-    return string.format('items %.0f is out of range 0-%.0f', items, sf_buckets(n) * L.b)
-  end
-  local len = redis.call('STRLEN', key)
-  if len ~= sf_bytes(n) then
-    return string.format('%s: %d bytes long, its header says %d',
-      len < sf_bytes(n) and 'truncated' or 'extended', len, sf_bytes(n))
-  end
-  if redis.call('GETRANGE', key, len - TAG_BYTES, len - 1) ~= expected_tag(n) then
-    return 'bad tag (it disagrees with the header)'
-  end
-  return nil
-end
+-- The full check, field by field, that names what is wrong (docs/format.md, "Valid values").
+-- check_layout runs it only when its fast test does not pass, so its helpers are made inside
+-- it: a call on a valid filter does not pay for defining them.
+local function full_check(base)
+  -- {name, byte offset, size, lowest, highest}: every header field with a range of its own;
+  -- guard/layout.py:_RANGES is the same list. The version is checked first, on its own:
+  -- another version is not damage but another format.
+  local RANGES = {
+    {'bucket_size', 5, 1, 1, 8}, {'fp_bits', 6, 1, 4, 32},
+    {'fp_step', 7, 1, 0, 1}, {'expansion', 8, 1, 0, 16},
+    {'subfilters', SUBFILTERS_AT, 1, 1, MAX_SUBFILTERS}, {'index', INDEX_AT, 1, 0, 0},
+    {'flags', 11, 1, 0, 0}, {'buckets0', 12, 4, 1, 2 ^ 32 - 1},
+    {'max_kicks', 16, 2, 0, 4000}, {'shards', 18, 2, 0, 1024}, {'capacity', 24, 8, 1, 2 ^ 40},
+    {'deletes', DELETES_AT, 8, 0, 2 ^ 63 - 1}, {'missed_deletes', MISSED_AT, 8, 0, 2 ^ 63 - 1},
+    {'error_rate', ERROR_RATE_AT, 8, 0, 10 ^ 12 - 1},
+    {'applied', APPLIED_AT, 8, 0, MAX_CHANGE_ID},
+  }
+  local BUCKET_SIZES = {[1] = true, [2] = true, [4] = true, [8] = true}
 
--- Sub-filter n's header ('' when the key is missing); a key of another type is damage.
-local function read_header(key)
-  local h = redis.pcall('GETRANGE', key, 0, HEADER_BYTES - 1)
-  if type(h) == 'table' then return nil, guard_error('CORRUPT', key .. ' holds another type') end
-  return h, nil
-end
+  -- What is wrong with sub-filter 0's header h on its own, or nil.
+  local function header_problem(h)
+    if #h < 5 or field(h, 0, 4) ~= MAGIC then return 'bad magic' end
+    local version = field(h, 4, 1)
+    if version ~= VERSION then
+      -- guard/layout.py:version_problem says the same.
+      return fmt('unsupported format version %d (this library reads version %d; '
+        .. 're-create the filter: docs/format.md, Upgrading)', version, VERSION)
+    end
+    if #h < HEADER_BYTES then
+      return fmt('truncated: %d bytes long, shorter than a header', #h)
+    end
+    if h:sub(RESERVED_AT + 1) ~= ZEROS:sub(RESERVED_AT + 1) then
+      return fmt('reserved bytes %d-%d are not zero', RESERVED_AT, HEADER_BYTES - 1)
+    end
+    for _, r in ipairs(RANGES) do
+      local v = field(h, r[2], r[3])
+      if v < r[4] or v > r[5] then
+        return fmt('%s %.0f is out of range %.0f-%.0f', r[1], v, r[4], r[5])
+      end
+    end
+    if not BUCKET_SIZES[field(h, 5, 1)] then return 'bucket_size is not one of 1, 2, 4, 8' end
+    return nil
+  end
 
--- The one check of the stored bytes every script runs first (docs/format.md, "Valid values"),
--- on the filter whose sub-filter n is KEYS[base + n + 1]. Returns nil when every sub-filter is
--- valid and laid out as L says, {STALE} when sub-filter 0's header is valid but holds another
--- layout (the client then reads and verifies it: guard/layout.py:verify_stored), or an error;
--- and, when it returns nil, sub-filter 0's header as a second value (applied, source).
--- Only read-only commands: the check runs as well on a read-only replica.
-local function check_layout(base)
-  base = base or 0
+  -- What is wrong with sub-filter n's header h (n >= 1), or nil: sub-filter 0's header h0 as
+  -- growth copied it, with its own index and item count and its other counters zero.
+  local function subfilter_problem(h, h0, n)
+    if #h < HEADER_BYTES or field(h, 0, 4) ~= MAGIC then return 'bad magic' end
+    if field(h, SUBFILTERS_AT, 1) ~= n or field(h, INDEX_AT, 1) ~= n then
+      return 'holds the index of another sub-filter'
+    end
+    -- Byte ranges below are 1-based: (a, b] in offsets is h:sub(a + 1, b).
+    if h:sub(1, SUBFILTERS_AT) ~= h0:sub(1, SUBFILTERS_AT)
+      or h:sub(INDEX_AT + 2, ITEMS_AT) ~= h0:sub(INDEX_AT + 2, ITEMS_AT)
+      or h:sub(ERROR_RATE_AT + 1, COMMON_BYTES) ~= h0:sub(ERROR_RATE_AT + 1, COMMON_BYTES)
+      or h:sub(DELETES_AT + 1, ERROR_RATE_AT) ~= ZEROS:sub(DELETES_AT + 1, ERROR_RATE_AT)
+      or h:sub(COMMON_BYTES + 1) ~= ZEROS:sub(COMMON_BYTES + 1) then
+      return "header disagrees with sub-filter 0's"
+    end
+    return nil
+  end
+
+  -- What is wrong with the rest of sub-filter n (items, length, tag) under L, or nil.
+  local function string_problem(key, h, n)
+    local items = field(h, ITEMS_AT, 8)  -- a negative (signed) count reads above 2^63 here
+    if items > sf_buckets(n) * L.b then
+      return fmt('items %.0f is out of range 0-%.0f', items, sf_buckets(n) * L.b)
+    end
+    local len = redis.call('STRLEN', key)
+    if len ~= sf_bytes(n) then
+      return fmt('%s: %d bytes long, its header says %d',
+        len < sf_bytes(n) and 'truncated' or 'extended', len, sf_bytes(n))
+    end
+    if redis.call('GETRANGE', key, len - TAG_BYTES, len - 1) ~= expected_tag(n) then
+      return 'bad tag (it disagrees with the header)'
+    end
+    return nil
+  end
+
+  -- Sub-filter n's header ('' when the key is missing); a key of another type is damage.
+  local function read_header(key)
+    local h = redis.pcall('GETRANGE', key, 0, HEADER_BYTES - 1)
+    if type(h) == 'table' then return nil, guard_error('CORRUPT', key .. ' holds another type') end
+    return h, nil
+  end
+
   local key0 = KEYS[base + 1]
   local h0, err = read_header(key0)
   if err then return err end
@@ -192,12 +195,95 @@ local function check_layout(base)
   return nil, h0
 end
 
--- A non-linear hash of a fingerprint prefix; guard/hashing.py:mix is the same arithmetic.
+-- Big-endian integer of the 8 bytes from 1-based position p of s (above 2^53 it rounds,
+-- which no range below needs to tell apart).
+local function u64(s, p)
+  local a, b, c, d, e, f, g, h = byte(s, p, p + 7)
+  return ((((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f) * 256 + g) * 256 + h
+end
+
+-- The fast test: true only when every check full_check makes passes and the stored layout
+-- is L. Sub-filter 0: its header (one GETRANGE) field by field, then one GETRANGE from where
+-- L puts the tag to one byte past it, which equals the tag only when the string has exactly
+-- the length L gives it and ends in the right tag; each other sub-filter likewise against
+-- sub-filter 0's header. Anything else (stale, missing, damaged) goes to full_check.
+local function fast_check(base)
+  local b, nsub = L.b, L.nsub
+  -- L itself within the ranges (so a stored field equal to it is in range too).
+  if not (b == 1 or b == 2 or b == 4 or b == 8) or L.f0 < 4 or L.f0 > 32 or L.fstep > 1
+    or L.exp > 16 or nsub < 1 or nsub > MAX_SUBFILTERS or L.kicks > 4000 or L.m0 < 1
+    or L.m0 > 2 ^ 32 - 1 or L.seed > 2 ^ 32 - 1 or #KEYS < base + nsub then
+    return false
+  end
+  local key0 = KEYS[base + 1]
+  local h0 = redis.pcall('GETRANGE', key0, 0, HEADER_BYTES - 1)
+  if type(h0) ~= 'string' or #h0 ~= HEADER_BYTES then return false end
+  local c1, c2, c3, c4, v, hb, hf, hs, he, hn, ix, fl, m1, m2, m3, m4, k1, k2, s1, s2, d1, d2,
+    d3, d4 = byte(h0, 1, 24)
+  -- magic "CKGD", version, the layout, index and flags 0
+  if c1 ~= 67 or c2 ~= 75 or c3 ~= 71 or c4 ~= 68 or v ~= VERSION or hb ~= b or hf ~= L.f0
+    or hs ~= L.fstep or he ~= L.exp or hn ~= nsub or ix ~= 0 or fl ~= 0
+    or ((m1 * 256 + m2) * 256 + m3) * 256 + m4 ~= L.m0 or k1 * 256 + k2 ~= L.kicks
+    or ((d1 * 256 + d2) * 256 + d3) * 256 + d4 ~= L.seed or s1 * 256 + s2 > 1024 then
+    return false
+  end
+  if L.exp == 0 and nsub ~= 1 then return false end
+  local capacity, items = u64(h0, 25), u64(h0, ITEMS_AT + 1)
+  -- deletes and missed_deletes: signed, so not negative when their top bit is clear
+  if capacity < 1 or capacity > 2 ^ 40 or byte(h0, DELETES_AT + 1) > 127
+    or byte(h0, MISSED_AT + 1) > 127 or u64(h0, ERROR_RATE_AT + 1) > 10 ^ 12 - 1
+    or u64(h0, APPLIED_AT + 1) > MAX_CHANGE_ID or h0:sub(RESERVED_AT + 1) ~= ZEROS:sub(RESERVED_AT + 1) then
+    return false
+  end
+  for n = 0, nsub - 1 do
+    local key, h = KEYS[base + n + 1], h0
+    if n > 0 then
+      h = redis.pcall('GETRANGE', key, 0, HEADER_BYTES - 1)
+      if type(h) ~= 'string' or #h ~= HEADER_BYTES or byte(h, SUBFILTERS_AT + 1) ~= n
+        or byte(h, INDEX_AT + 1) ~= n
+        or h:sub(1, SUBFILTERS_AT) ~= h0:sub(1, SUBFILTERS_AT)
+        or h:sub(INDEX_AT + 2, ITEMS_AT) ~= h0:sub(INDEX_AT + 2, ITEMS_AT)
+        or h:sub(ERROR_RATE_AT + 1, COMMON_BYTES) ~= h0:sub(ERROR_RATE_AT + 1, COMMON_BYTES)
+        or h:sub(DELETES_AT + 1, ERROR_RATE_AT) ~= ZEROS:sub(DELETES_AT + 1, ERROR_RATE_AT)
+        or h:sub(COMMON_BYTES + 1) ~= ZEROS:sub(COMMON_BYTES + 1) then
+        return false
+      end
+      items = u64(h, ITEMS_AT + 1)
+    end
+    if items > sf_buckets(n) * b then return false end
+    local len = sf_bytes(n)
+    if redis.call('GETRANGE', key, fmt('%d', len - TAG_BYTES), fmt('%d', len)) ~= expected_tag(n) then
+      return false
+    end
+  end
+  return true, h0
+end
+
+-- The one check of the stored bytes every script runs first (docs/format.md, "Valid values"),
+-- on the filter whose sub-filter n is KEYS[base + n + 1]. Returns nil when every sub-filter is
+-- valid and laid out as L says, {STALE} when sub-filter 0's header is valid but holds another
+-- layout (the client then reads and verifies it: guard/layout.py:verify_stored), or an error;
+-- and, when it returns nil, sub-filter 0's header as a second value (applied, source).
+-- Only read-only commands: the check runs as well on a read-only replica.
+local function check_layout(base)
+  base = base or 0
+  local ok, h0 = fast_check(base)
+  if ok then return nil, h0 end
+  return full_check(base)
+end
+
+-- A non-linear hash of a fingerprint prefix p < 2^32; guard/hashing.py:mix is the same
+-- arithmetic. Every product stays below 2^53; `%` may come out one P31 low (see the top).
 local function mix(p)
-  local x = fmod(p, P31)
-  x = fmod(x * 1103515 + 12345, P31)
-  x = fmod(x * (fmod(x, 65521) + 1), P31)
-  x = fmod(x * 1664525 + 1013904223, P31)
+  local x = p % P31
+  x = (x * 1103515 + 12345) % P31
+  if x < 0 then x = x + P31 end
+  local y = x % 65521
+  if y < 0 then y = y + 65521 end
+  x = (x * (y + 1)) % P31
+  if x < 0 then x = x + P31 end
+  x = (x * 1664525 + 1013904223) % P31
+  if x < 0 then x = x + P31 end
   return x
 end
 
@@ -208,25 +294,7 @@ local function alt_index(i, hp, m)
   return j
 end
 
--- H of a stored fingerprint uses its first f0 bits only: the same value in every sub-filter.
-local function prefix_of(fp, n)
-  return floor(fp / 2 ^ (sf_bits(n) - L.f0))
-end
-
--- Per-item hash parts: h picks buckets, g (top f0 bits forced non-zero) gives fingerprints.
-local function item_at(h, g, n)
-  local m = sf_buckets(n)
-  local fp = floor(g / 2 ^ (32 - sf_bits(n)))
-  local i1 = fmod(h, m)
-  return fp, i1, alt_index(i1, mix(floor(g / 2 ^ (32 - L.f0))), m)
-end
-
-local function slot_offset(n, i, s)
-  return HEADER_BITS + (i * L.b + s) * sf_bits(n)
-end
-
 local function fixed_g(g)
   if floor(g / 2 ^ (32 - L.f0)) == 0 then g = g + 2 ^ (32 - L.f0) end
   return g
 end
-
