@@ -33,7 +33,6 @@ from guard.layout import (
 )
 from guard.ops import (
     INSERT_CHUNK,
-    KICK_BUDGET,
     MAX_RETRIES,
     Call,
     Command,
@@ -103,9 +102,6 @@ def _checked(changes: Sequence[Change]) -> list[Item]:
     return out
 
 
-def _chunk(layout: Layout) -> int:
-    # Each change may kick like an insert: the same budget per call.
-    return max(1, min(INSERT_CHUNK, KICK_BUDGET // max(1, layout.max_kicks)))
 
 
 def _change_args(part: Sequence[Item], seed: int) -> list[str | int]:
@@ -173,7 +169,7 @@ def apply_op(f: FilterOps, changes: Sequence[Change], source: int) -> Op:
     while True:
         if not f._layout.buckets0:
             yield from f._probe_op()
-        part = batch[len(results) : len(results) + _chunk(f._layout)]
+        part = batch[len(results) : len(results) + INSERT_CHUNK]
         first = part[0][0] if part else 1
 
         def tail(layout: Layout, part: list[Item] = part, first: int = first) -> list[Any]:

@@ -45,7 +45,6 @@ from guard.names import DEFAULT_PREFIX, STAGING, base_key, check_name
 from guard.ops import (
     BATCH_CHUNK,
     INSERT_CHUNK,
-    KICK_BUDGET,
     MAX_RETRIES,
     Call,
     Command,
@@ -269,8 +268,9 @@ class FilterOps:
             if not self._layout.buckets0:
                 yield from self._probe_op()
             layout = self._layout
-            chunk = max(1, min(INSERT_CHUNK, KICK_BUDGET // max(1, layout.max_kicks)))
-            part = data[len(results) : len(results) + chunk]
+            # The script bounds its own work (guard/ops.py: KICK_BUDGET) and answers for the
+            # items it took; the rest go in the next call.
+            part = data[len(results) : len(results) + INSERT_CHUNK]
             # Two spare keys: growth may add sub-filters within one call.
             keys = self._keys(layout.subfilters + spares)
             args = [

@@ -1,31 +1,20 @@
 -- _place.lua: adding and removing one item, shared by the scripts that write (insert, delete,
 -- apply, undo). Everything goes through the slot store; finish() writes it all back.
+--
+-- One call's work is limited (guard/ops.py: KICK_BUDGET, put before the script by
+-- guard/scripts.py with ITEM_WORK): the scripts that add take their next item only while
+-- `work + max_kicks + ITEM_WORK` fits in KICK_BUDGET, counting each item's kick steps plus
+-- ITEM_WORK for the rest of its cost, and answer for the items they took; the caller sends
+-- the rest again. So no call holds Redis much longer than KICK_BUDGET steps take, however
+-- full the filter, while a call at a low load still takes a whole batch.
 
--- One call's work limit: kick steps, plus ITEM_WORK per item for what an item costs besides
--- its kicks (guard/scripts.py puts both constants before the script, from guard/ops.py). A call
--- takes its next item only while that item's worst case (max_kicks steps) fits; the caller
--- sends what is left again. So no call holds Redis much longer than KICK_BUDGET steps take,
--- however full the filter, while calls at a low load still take whole batches.
-local work = 0
-local function spend(steps) work = work + steps + ITEM_WORK end
-local function work_left() return work + L.kicks + ITEM_WORK <= KICK_BUDGET end
-
--- The item (h, g) in sub-filter s: its fingerprint and two buckets. hp = mix(the item's
--- fingerprint prefix), the same in every sub-filter.
-local function item_in(s, h, g, hp)
-  local i1 = fmod(h, s.m)
-  return floor(g / s.gdiv), i1, alt_index(i1, hp, s.m)
-end
-
-local function prefix_hash(g)
-  return mix(floor(g / 2 ^ (32 - L.f0)))
-end
-
+-- Whether the item (h, g) is in any sub-filter. hp = mix(its fingerprint prefix), the same
+-- in every sub-filter.
 local function present(h, g, hp)
   for n = L.nsub - 1, 0, -1 do
     local s = sub(n)
-    local fp, i1, i2 = item_in(s, h, g, hp)
-    if find(s, i1, fp) or find(s, i2, fp) then return true end
+    local fp, i1 = math.floor(g / s.gdiv), h % s.m
+    if find(s, i1, fp) or find(s, alt_index(i1, hp, s.m), fp) then return true end
   end
   return false
 end
@@ -34,10 +23,10 @@ end
 local function place_direct(h, g, hp)
   for n = L.nsub - 1, 0, -1 do
     local s = sub(n)
-    local fp, i1, i2 = item_in(s, h, g, hp)
-    local k = find(s, i1, 0) or find(s, i2, 0)
+    local i1 = h % s.m
+    local k = find(s, i1, 0) or find(s, alt_index(i1, hp, s.m), 0)
     if k then
-      set(s, k, fp)
+      set(s, k, math.floor(g / s.gdiv))
       s.delta = s.delta + 1
       return true
     end
@@ -47,24 +36,26 @@ end
 
 -- Cuckoo kicks in the newest sub-filter, on the slot table. Each step's slot and old value
 -- are logged and put back if the chain runs out: a kicked-out fingerprint that found no home
--- would otherwise be a false negative. Returns true when placed, and the steps taken.
+-- would otherwise be a false negative. Returns whether it placed the item, and the steps.
 local function place_kicking(h, g, hp)
   local s = sub(L.nsub - 1)
-  local b, m, t, pdiv = L.b, s.m, s.t, s.pdiv
-  local fp, i1, i2 = item_in(s, h, g, hp)
+  local b, m, t, first, pdiv, floor = L.b, s.m, s.t, s.first, s.pdiv, math.floor
+  local fp, i1 = floor(g / s.gdiv), h % s.m
   -- Victims come from a generator seeded by the item's own hash: reproducible (tests/reference.py
   -- replays it bit for bit) yet not the fixed rotation that loops between copies of one print.
-  local st = fmod(h + g, P31 - 1) + 1
-  st = fmod(st * 48271, P31)
-  local i = (st % 2 == 0) and i1 or i2
+  -- P31 = 2147483647; products stay below 2^47.
+  local st = (h + g) % 2147483646 + 1
+  st = (st * 48271) % 2147483647
+  local i = (st % 2 == 0) and i1 or alt_index(i1, hp, m)
   local log = {}
   for step = 1, L.kicks do
-    st = (st * 48271) % P31
-    if st < 0 then st = st + P31 end
-    local k = i * b + st % b  -- bucket i is in the table: the chain came from it or found it
-    log[2 * step - 1], log[2 * step] = k, t[k]
-    if s.first[k] == nil then s.first[k] = t[k] end
-    t[k], fp = fp, t[k]
+    st = (st * 48271) % 2147483647
+    local k = i * b + st % b  -- bucket i is loaded: the chain found no room in it
+    local old = t[k]
+    log[2 * step - 1], log[2 * step] = k, old
+    if first[k] == nil then first[k] = old end
+    t[k] = fp
+    fp = old
     i = alt_index(i, mix(floor(fp / pdiv)), m)
     local free = find(s, i, 0)
     if free then
@@ -77,43 +68,46 @@ local function place_kicking(h, g, hp)
   return false, L.kicks
 end
 
--- Adds sub-filter `subfilters`, expansion times the previous one, created at full size at once.
+-- Adds sub-filter `subfilters`, expansion times the previous one, created at full size at
+-- once. Returns OK (0), FULL (2) or NEEDKEYS (3). Header offsets: INDEX_AT 10,
+-- ITEMS_AT 32, DELETES_AT 40, MISSED_AT 48, SUBFILTERS_AT 9, COMMON_BYTES 64.
 local function grow()
   local n = L.nsub
-  if L.exp == 0 or n >= MAX_SUBFILTERS then return FULL end
+  if L.exp == 0 or n >= 32 then return 2 end
   -- Past 32 bits a growing filter could not keep tightening, and its error bound would break.
-  if L.fstep > 0 and L.f0 + L.fstep * n > 32 then return FULL end
-  if sf_bytes(n) > MAX_STRING_BYTES then return FULL end
-  if #KEYS < n + 1 then return NEEDKEYS end
+  if L.fstep > 0 and L.f0 + L.fstep * n > 32 then return 2 end
+  local _, _, bytes = geometry(L, n)
+  if bytes > 536870912 then return 2 end  -- MAX_STRING_BYTES
+  if #KEYS < n + 1 then return 3 end
   local key = KEYS[n + 1]
   redis.call('DEL', key)
   -- The new tag: this sub-filter's index (top bit set), then the geometry digest copied from
   -- sub-filter 0's tag, whose first byte (the sub-filter count) changes below.
-  local tag0 = sf_bytes(0) - TAG_BYTES
+  local _, _, bytes0 = geometry(L, 0)
+  local tag0 = bytes0 - 8
   local digest = redis.call('GETRANGE', KEYS[1], tag0 + 1, tag0 + 6)
-  redis.call('SETRANGE', key, sf_bytes(n) - TAG_BYTES,
-    char(128 + n) .. digest .. char(TRAILER))
+  redis.call('SETRANGE', key, bytes - 8, string.char(128 + n) .. digest .. string.char(165))
   -- The header bytes every sub-filter shares; the rest (applied, source) stays 0 here.
-  redis.call('SETRANGE', key, 0, redis.call('GETRANGE', KEYS[1], 0, COMMON_BYTES - 1))
-  redis.call('BITFIELD', key, 'SET', 'u8', INDEX_AT * 8, n, 'SET', 'i64', ITEMS_AT * 8, 0,
-    'SET', 'i64', DELETES_AT * 8, 0, 'SET', 'i64', MISSED_AT * 8, 0)
-  redis.call('BITFIELD', KEYS[1], 'SET', 'u8', SUBFILTERS_AT * 8, n + 1, 'SET', 'u8', tag0 * 8, n + 1)
+  redis.call('SETRANGE', key, 0, redis.call('GETRANGE', KEYS[1], 0, 63))
+  redis.call('BITFIELD', key, 'SET', 'u8', 80, n, 'SET', 'i64', 256, 0,
+    'SET', 'i64', 320, 0, 'SET', 'i64', 384, 0)
+  redis.call('BITFIELD', KEYS[1], 'SET', 'u8', 72, n + 1, 'SET', 'u8', tag0 * 8, n + 1)
   L.nsub = n + 1
-  return OK
+  return 0
 end
 
 -- Adds one copy of the item (h, g): 1 added, 0 already present (only when `unique`); or nil
 -- and the status that stopped it (FULL, NEEDKEYS), having changed nothing. Second value: the
 -- kick steps it took.
 local function add(h, g, unique)
-  local hp = prefix_hash(g)
+  local hp = mix(math.floor(g / 2 ^ (32 - L.f0)))
   if unique and present(h, g, hp) then return 0, 0 end
   if place_direct(h, g, hp) then return 1, 0 end
   local placed, steps = false, 0
   if L.kicks > 0 then placed, steps = place_kicking(h, g, hp) end
   if not placed then
     local status = grow()
-    if status ~= OK then return nil, steps, status end
+    if status ~= 0 then return nil, steps, status end
     place_direct(h, g, hp)
   end
   return 1, steps
@@ -122,26 +116,24 @@ end
 -- Removes one copy of the item (h, g): 1 removed, 0 nothing found (counted as a missed delete:
 -- deleting what was never inserted is how a cuckoo filter loses keys).
 local function remove(h, g)
-  local hp = prefix_hash(g)
+  local hp = mix(math.floor(g / 2 ^ (32 - L.f0)))
   -- Newest sub-filter first. Sizes divide one another and fingerprints are prefixes of one
   -- another, so an item colliding with ours in a newer sub-filter collides in every older one:
   -- removing its copy there leaves ours to answer for it (docs/format.md has the argument).
   for n = L.nsub - 1, 0, -1 do
     local s = sub(n)
-    local fp, i1, i2 = item_in(s, h, g, hp)
-    local k = find(s, i1, fp) or find(s, i2, fp)
+    local fp, i1 = math.floor(g / s.gdiv), h % s.m
+    local k = find(s, i1, fp) or find(s, alt_index(i1, hp, s.m), fp)
     if k then
       set(s, k, 0)
       s.delta = s.delta - 1
-      removed = removed + 1
+      L.removed = L.removed + 1
       return 1
     end
   end
-  missed = missed + 1
+  L.missed = L.missed + 1
   return 0
 end
 
 -- Writes every change back: the slots, the item counts, the delete counters.
-local function finish()
-  flush()
-end
+local finish = flush

@@ -7,20 +7,20 @@ if err then return err end
 
 local function matches(s, i, fp)
   if not s.loaded[i] then load(s, i) end
-  local t, c, k = s.t, 0, i * L.b
-  for j = k, k + L.b - 1 do if t[j] == fp then c = c + 1 end end
+  local t, c, k = s.t, 0, i * s.b
+  for j = k, k + s.b - 1 do if t[j] == fp then c = c + 1 end end
   return c
 end
 
 local reply = {OK, L.nsub}
 for k = 10, #ARGV, 2 do
   local h, g = tonumber(ARGV[k]), fixed_g(tonumber(ARGV[k + 1]))
-  local hp = mix(floor(g / 2 ^ (32 - L.f0)))
+  local hp = mix(math.floor(g / 2 ^ (32 - L.f0)))
   local c = 0
   for n = 0, L.nsub - 1 do
     local s = sub(n)
-    local i1 = fmod(h, s.m)
-    local fp, i2 = floor(g / s.gdiv), alt_index(i1, hp, s.m)
+    local i1 = h % s.m
+    local fp, i2 = math.floor(g / s.gdiv), alt_index(i1, hp, s.m)
     c = c + matches(s, i1, fp)
     if i2 ~= i1 then c = c + matches(s, i2, fp) end
   end
