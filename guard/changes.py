@@ -130,7 +130,8 @@ class _Sender:
             if not f._layout.buckets0:
                 yield from f._probe_op()
             layout = f._layout
-            keys = f._keys(layout.subfilters + self.spares)
+            # Spare keys for growth; a filter that never grows needs none.
+            keys = f._keys(layout.subfilters + (self.spares if layout.expansion else 0))
             try:
                 (reply,) = yield Round([Call(self.script, keys, [*layout.args(), *tail(layout)])])
             except (ClusterError, TryAgainError):

@@ -271,8 +271,9 @@ class FilterOps:
             # The script bounds its own work (guard/ops.py: KICK_BUDGET) and answers for the
             # items it took; the rest go in the next call.
             part = data[len(results) : len(results) + INSERT_CHUNK]
-            # Two spare keys: growth may add sub-filters within one call.
-            keys = self._keys(layout.subfilters + spares)
+            # Two spare keys: growth may add sub-filters within one call (a filter that never
+            # grows needs none; each key is a cost on every call).
+            keys = self._keys(layout.subfilters + (spares if layout.expansion else 0))
             args = [
                 *layout.args(),
                 int(unique),

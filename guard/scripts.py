@@ -27,10 +27,10 @@ from guard.errors import (
 PIECES = {
     "reserve": ("_common",),
     "count": ("_common", "_store"),
-    "insert": ("_common", "_store", "_place"),
-    "delete": ("_common", "_store", "_place"),
-    "apply": ("_common", "_store", "_place", "_changes"),
-    "undo": ("_common", "_store", "_place", "_changes"),
+    "insert": ("_common", "_store", "_add"),
+    "delete": ("_common", "_store", "_remove"),
+    "apply": ("_common", "_store", "_add", "_remove", "_changes"),
+    "undo": ("_common", "_store", "_add", "_remove", "_changes"),
     "drop": ("_common",),
     "promote": ("_common",),
 }

@@ -235,7 +235,7 @@ local function check_layout(base)
   if capacity < 1 or capacity > 2 ^ 40 or byte(h0, 41) > 127 or byte(h0, 49) > 127
     or ((((((e1 * 256 + e2) * 256 + e3) * 256 + e4) * 256 + e5) * 256 + e6) * 256 + e7) * 256
       + e8 > 10 ^ 12 - 1
-    or x1 ~= 0 or x2 > 31 or h0:sub(81) ~= string.rep('\0', 48) then
+    or x1 ~= 0 or x2 > 31 or h0:sub(81) ~= '\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0' then
     return full_check(L, base)
   end
   local h = h0
@@ -254,10 +254,13 @@ local function check_layout(base)
     end
     local m, _, bytes = geometry(L, n)
     local i1, i2, i3, i4, i5, i6, i7, i8 = byte(h, 33, 40)  -- items <= the slot count
+    -- The tag (expected_tag): count or 128 + n, the 48-bit digest, TRAILER; and no 9th byte.
+    local t1, t2, t3, t4, t5, t6, t7, t8, t9 = byte(redis.call('GETRANGE', key,
+      string.format('%d', bytes - 8), string.format('%d', bytes)), 1, 9)
     if ((((((i1 * 256 + i2) * 256 + i3) * 256 + i4) * 256 + i5) * 256 + i6) * 256 + i7) * 256
       + i8 > m * b
-      or redis.call('GETRANGE', key, string.format('%d', bytes - 8), string.format('%d', bytes))
-        ~= expected_tag(L, n) then
+      or t9 ~= nil or t8 ~= 165 or t1 ~= (n == 0 and nsub or 128 + n)
+      or ((((t2 * 256 + t3) * 256 + t4) * 256 + t5) * 256 + t6) * 256 + t7 ~= L.digest then
       return full_check(L, base)
     end
   end
@@ -278,8 +281,9 @@ local function alt_index(i, hp, m)
   return (hp - i) % m
 end
 
+-- g with its top f0 bits (its fingerprint prefix, g / L.top) never all zero.
+L.top = 2 ^ (32 - (L.f0 or 0))  -- (drop.lua and reserve.lua carry no layout)
 local function fixed_g(g)
-  local top = 2 ^ (32 - L.f0)
-  if g < top then g = g + top end  -- the top f0 bits of g were all zero
+  if g < L.top then g = g + L.top end
   return g
 end

@@ -16,9 +16,8 @@ local function sub(n)
   if s then return s end
   local m, f = geometry(L, n)
   s = {
-    key = KEYS[n + 1], m = m, f = f, b = L.b,
-    t = {},      -- slot index -> value
-    loaded = {}, -- bucket index -> true once its slots are in t
+    key = KEYS[n + 1], m = m, f = f, b = L.b, ftype = 'u' .. f,
+    t = {},      -- slot index -> value (nil: its bucket not read yet)
     first = {},  -- slot index -> its value before this call changed it
     delta = 0,   -- items added minus removed
     gdiv = 2 ^ (32 - f),      -- an item's fingerprint is floor(g / gdiv)
@@ -64,13 +63,12 @@ local function load(s, i)
       t[k0 + j] = floor(v / 2 ^ (8 * (last - p + 1) - (o - 8 * p) - f)) % 2 ^ f
     end
   end
-  s.loaded[i] = true
 end
 
 -- The first slot of bucket i holding v (its index in s.t), or nil; reads the bucket if needed.
 local function find(s, i, v)
-  if not s.loaded[i] then load(s, i) end
   local t, k = s.t, i * s.b
+  if t[k] == nil then load(s, i) end
   for j = k, k + s.b - 1 do
     if t[j] == v then return j end
   end
@@ -95,7 +93,7 @@ local function flush()
     if s or counters then
       local args, ops = {'BITFIELD', KEYS[n + 1]}, 0
       if s then
-        local ftype, f, t = 'u' .. s.f, s.f, s.t
+        local ftype, f, t = s.ftype, s.f, s.t
         for k, v0 in pairs(s.first) do
           local v = t[k]
           if v ~= v0 then
@@ -117,16 +115,24 @@ local function flush()
           ops = ops + 1
         end
       end
-      if counters then
+      if L.removed > 0 and n == 0 then
         local a = #args
         args[a + 1], args[a + 2], args[a + 3], args[a + 4] =
           'INCRBY', 'i64', '320', fmt('%d', L.removed)
-        args[a + 5], args[a + 6], args[a + 7], args[a + 8] =
+        L.removed = 0
+        ops = ops + 1
+      end
+      if L.missed > 0 and n == 0 then
+        local a = #args
+        args[a + 1], args[a + 2], args[a + 3], args[a + 4] =
           'INCRBY', 'i64', '384', fmt('%d', L.missed)
-        L.removed, L.missed = 0, 0
+        L.missed = 0
         ops = ops + 1
       end
       if ops > 0 then redis.call(unpack(args)) end
     end
   end
 end
+
+-- What the scripts call last: every change written back.
+local finish = flush

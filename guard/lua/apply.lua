@@ -25,11 +25,11 @@ local skip = math.min(count, math.max(0, applied - first + 1))
 if skip < count and first + skip ~= applied + 1 then
   return {GAP, L.nsub, applied, 0}
 end
-local work = 0  -- kick steps and ITEM_WORK per item, this call (_place.lua)
+local work = 0  -- kick steps and ITEM_WORK per item, this call (_add.lua)
 local reply, status = {OK, L.nsub, applied, skip}, OK
 for _ = 1, skip do reply[#reply + 1] = 1 end
 for k = 12 + 3 * skip, #ARGV, 3 do
-  if k > 12 + 3 * skip and work + L.kicks + ITEM_WORK > KICK_BUDGET then break end  -- _place.lua
+  if k > 12 + 3 * skip and work + L.kicks + ITEM_WORK > KICK_BUDGET then break end  -- _add.lua
   local h, g = tonumber(ARGV[k + 1]), fixed_g(tonumber(ARGV[k + 2]))
   local r, steps, stopped = 0, 0, nil
   if ARGV[k] == 'i' then r, steps, stopped = add(h, g, false) else r = remove(h, g) end

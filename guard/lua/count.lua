@@ -6,8 +6,8 @@ local err = check_layout()
 if err then return err end
 
 local function matches(s, i, fp)
-  if not s.loaded[i] then load(s, i) end
   local t, c, k = s.t, 0, i * s.b
+  if t[k] == nil then load(s, i) end
   for j = k, k + s.b - 1 do if t[j] == fp then c = c + 1 end end
   return c
 end
@@ -15,7 +15,7 @@ end
 local reply = {OK, L.nsub}
 for k = 10, #ARGV, 2 do
   local h, g = tonumber(ARGV[k]), fixed_g(tonumber(ARGV[k + 1]))
-  local hp = mix(math.floor(g / 2 ^ (32 - L.f0)))
+  local hp = mix(math.floor(g / L.top))
   local c = 0
   for n = 0, L.nsub - 1 do
     local s = sub(n)

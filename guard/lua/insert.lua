@@ -3,7 +3,7 @@
 -- ARGV: layout (9), unique (0|1), then h1, g1, h2, g2, ...
 -- Reply: {status, subfilters, r1, r2, ...}, one r per item handled (1 added; 0 already
 --   present, only when unique). status OK: handled from the first item on, all of them or as
---   many as one call's work limit allowed (_place.lua; the caller sends the rest again); FULL:
+--   many as one call's work limit allowed (_add.lua; the caller sends the rest again); FULL:
 --   a fixed-size filter (or one at its growth limit) could not place the next item; NEEDKEYS:
 --   growth needs a key not passed. Both stop at that item with everything before it written.
 --   Or {STALE, layout...}.
@@ -11,10 +11,10 @@ local err = check_layout()
 if err then return err end
 local unique = ARGV[10] == '1'
 
-local work = 0  -- kick steps and ITEM_WORK per item, this call (_place.lua)
+local work = 0  -- kick steps and ITEM_WORK per item, this call (_add.lua)
 local reply, status = {0, 0}, OK
 for k = 11, #ARGV, 2 do
-  if k > 11 and work + L.kicks + ITEM_WORK > KICK_BUDGET then break end  -- _place.lua
+  if k > 11 and work + L.kicks + ITEM_WORK > KICK_BUDGET then break end  -- _add.lua
   local r, steps, stopped = add(tonumber(ARGV[k]), fixed_g(tonumber(ARGV[k + 1])), unique)
   work = work + steps + ITEM_WORK
   if not r then

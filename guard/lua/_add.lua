@@ -1,5 +1,5 @@
--- _place.lua: adding and removing one item, shared by the scripts that write (insert, delete,
--- apply, undo). Everything goes through the slot store; finish() writes it all back.
+-- _add.lua: adding one item, shared by the scripts that add (insert, apply, undo). Everything
+-- goes through the slot store (_store.lua); finish() writes it all back.
 --
 -- One call's work is limited (guard/ops.py: KICK_BUDGET, put before the script by
 -- guard/scripts.py with ITEM_WORK): the scripts that add take their next item only while
@@ -100,7 +100,7 @@ end
 -- and the status that stopped it (FULL, NEEDKEYS), having changed nothing. Second value: the
 -- kick steps it took.
 local function add(h, g, unique)
-  local hp = mix(math.floor(g / 2 ^ (32 - L.f0)))
+  local hp = mix(math.floor(g / L.top))
   if unique and present(h, g, hp) then return 0, 0 end
   if place_direct(h, g, hp) then return 1, 0 end
   local placed, steps = false, 0
@@ -112,28 +112,3 @@ local function add(h, g, unique)
   end
   return 1, steps
 end
-
--- Removes one copy of the item (h, g): 1 removed, 0 nothing found (counted as a missed delete:
--- deleting what was never inserted is how a cuckoo filter loses keys).
-local function remove(h, g)
-  local hp = mix(math.floor(g / 2 ^ (32 - L.f0)))
-  -- Newest sub-filter first. Sizes divide one another and fingerprints are prefixes of one
-  -- another, so an item colliding with ours in a newer sub-filter collides in every older one:
-  -- removing its copy there leaves ours to answer for it (docs/format.md has the argument).
-  for n = L.nsub - 1, 0, -1 do
-    local s = sub(n)
-    local fp, i1 = math.floor(g / s.gdiv), h % s.m
-    local k = find(s, i1, fp) or find(s, alt_index(i1, hp, s.m), fp)
-    if k then
-      set(s, k, 0)
-      s.delta = s.delta - 1
-      L.removed = L.removed + 1
-      return 1
-    end
-  end
-  L.missed = L.missed + 1
-  return 0
-end
-
--- Writes every change back: the slots, the item counts, the delete counters.
-local finish = flush
