@@ -32,13 +32,13 @@ from guard.layout import (
     unpack_header,
 )
 from guard.ops import (
-    INSERT_CHUNK,
     MAX_RETRIES,
     Call,
     Command,
     Op,
     Round,
     forgets_on_damage,
+    insert_chunk,
 )
 from guard.params import Limit
 
@@ -100,8 +100,6 @@ def _checked(changes: Sequence[Change]) -> list[Item]:
             )
         out.append((change.id, bool(change.insert), to_bytes(change.item)))
     return out
-
-
 
 
 def _change_args(part: Sequence[Item], seed: int) -> list[str | int]:
@@ -170,7 +168,7 @@ def apply_op(f: FilterOps, changes: Sequence[Change], source: int) -> Op:
     while True:
         if not f._layout.buckets0:
             yield from f._probe_op()
-        part = batch[len(results) : len(results) + INSERT_CHUNK]
+        part = batch[len(results) : len(results) + insert_chunk(f._layout.max_kicks)]
         first = part[0][0] if part else 1
 
         def tail(layout: Layout, part: list[Item] = part, first: int = first) -> list[Any]:

@@ -44,13 +44,13 @@ from guard.layout import (
 from guard.names import DEFAULT_PREFIX, STAGING, base_key, check_name
 from guard.ops import (
     BATCH_CHUNK,
-    INSERT_CHUNK,
     MAX_RETRIES,
     Call,
     Command,
     Op,
     Round,
     forgets_on_damage,
+    insert_chunk,
 )
 from guard.params import APPLIED, SOURCE, FilterParams
 from guard.reads import ReadPlan, TagMismatch
@@ -270,7 +270,7 @@ class FilterOps:
             layout = self._layout
             # The script bounds its own work (guard/ops.py: KICK_BUDGET) and answers for the
             # items it took; the rest go in the next call.
-            part = data[len(results) : len(results) + INSERT_CHUNK]
+            part = data[len(results) : len(results) + insert_chunk(layout.max_kicks)]
             # Two spare keys: growth may add sub-filters within one call (a filter that never
             # grows needs none; each key is a cost on every call).
             keys = self._keys(layout.subfilters + (spares if layout.expansion else 0))

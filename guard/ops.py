@@ -18,13 +18,26 @@ from guard.errors import FilterCorruptError
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
 
-BATCH_CHUNK = 1000  # items per count/delete script call
-INSERT_CHUNK = 512
-# Work one insert or apply call may do (the script stops taking items when the next one's
-# worst case would pass it; the client sends the rest again): kick steps, each item counting
-# ITEM_WORK steps besides its kicks. PROVISIONAL: calibrated below from bench/mutations.py.
-KICK_BUDGET = 2000
-ITEM_WORK = 4
+# What one script call may cost Redis: none should hold it longer than about 5 ms (issue 15),
+# however full the filter. Measured by `python -m bench mutations` (docs/bench-mutations.md):
+# one kick step costs about 2 us of server CPU, an item about 7 us besides its kicks (a
+# delete or count about 7 us), on the reference machine under load.
+BATCH_CHUNK = 300  # items per count/delete script call: about 2 ms
+INSERT_CHUNK = 512  # items per insert/apply call at most (below: insert_chunk)
+# Work one insert or apply call may do, in kick steps (about 2 ms): the script takes its next
+# item only while that item's worst case (max_kicks steps, plus ITEM_WORK for the rest of its
+# cost) still fits, and answers for the items it took; the client sends the rest again
+# (guard/lua/_add.lua). A single item always goes: max_kicks is at most 4000 steps (8 ms).
+KICK_BUDGET = 1000
+ITEM_WORK = 4  # an item's cost besides its kicks, in kick steps
+
+
+def insert_chunk(max_kicks: int) -> int:
+    """Items per insert/apply call: what the script takes when no item kicks (sending more
+    would only send their arguments twice)."""
+    return max(1, min(INSERT_CHUNK, (KICK_BUDGET - max_kicks) // ITEM_WORK))
+
+
 MAX_RETRIES = 8  # times an operation reads a layout that keeps changing before it gives up
 
 
