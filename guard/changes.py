@@ -175,6 +175,9 @@ def apply_op(f: FilterOps, changes: Sequence[Change], source: int) -> Op:
             return [src, first, *_change_args(part, layout.seed)]
 
         reply = yield from sender.call(tail)
+        if reply[0] == scripts.OK and len(reply) == 4 and part:
+            # A call always takes its first change: this is not our script (never loop).
+            raise GuardError(f"{f.name}: apply made no progress", filter=f.name)
         applied = int(reply[2])
         skipped += int(reply[3])
         results.extend(bool(r) for r in reply[4:])

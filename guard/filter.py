@@ -299,6 +299,9 @@ class FilterOps:
                         f"{self.name}: layout kept changing during insert", filter=self.name
                     )
                 continue
+            if reply[0] == scripts.OK and len(reply) == 2:
+                # A call always takes its first item: this is not our script (never loop).
+                raise GuardError(f"{self.name}: insert made no progress", filter=self.name)
             results.extend(bool(r) for r in reply[2:])
             if reply[0] == scripts.FULL:
                 raise FilterFullError(

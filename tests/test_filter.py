@@ -12,9 +12,13 @@ from guard import (
     FilterNotFoundError,
     InvalidParameterError,
     SyncCuckooFilter,
+    hashing,
     list_filters_sync,
+    ops,
+    scripts,
 )
-from guard.layout import MAX_STRING_BYTES
+from guard.layout import MAX_STRING_BYTES, unpack_table
+from tests.reference import ReferenceFilter
 
 
 def items(n: int, tag: str = "k") -> list[str]:
@@ -163,6 +167,43 @@ class TestItems:
         cf.delete_many(["x", "never", "seen"])
         info = cf.info()
         assert (info.deletes, info.missed_deletes, info.items) == (1, 2, 0)
+
+
+class TestWorkLimit:
+    """One script call does a bounded amount of work (guard/ops.py: KICK_BUDGET)."""
+
+    def test_a_call_takes_what_fits_and_the_client_sends_the_rest(
+        self, cf: SyncCuckooFilter, sync_redis: redis.Redis
+    ) -> None:
+        cf.reserve(20_000, max_kicks=500, seed=5)
+        batch = items(400)
+        lay = cf._layout
+        flat = hashing.flat(hashing.hash_batch([x.encode() for x in batch], lay.seed))
+        insert = scripts.register(sync_redis)["insert"]
+        reply = insert(keys=[cf.key(0)], args=[*lay.args(), 0, *flat])
+        # Nearly empty: no item kicks, so the call takes exactly what its budget allows.
+        taken = (ops.KICK_BUDGET - lay.max_kicks) // ops.ITEM_WORK
+        assert reply[:2] == [scripts.OK, 1] and reply[2:] == [1] * taken
+        assert cf.info().items == taken
+        # The library sends the rest again, call after call; the table is the reference's.
+        assert all(cf.insert_many(batch[taken:]))
+        ref = ReferenceFilter(lay)
+        assert all(ref.insert(x) for x in batch)
+        stored = sync_redis.get(cf.key(0))
+        assert stored is not None
+        table = unpack_table(stored, lay.buckets0, lay.bucket_size, lay.fp_bits)
+        assert table == ref.tables[0]
+
+    def test_kicks_past_the_budget_go_one_item_a_call(self, cf: SyncCuckooFilter) -> None:
+        cf.reserve(100, max_kicks=4000, bucket_size=2, expansion=0, seed=9)
+        present = items(150)
+        try:
+            added = cf.insert_many(present)
+        except FilterFullError as full:
+            added = full.results
+        placed = [x for x, ok in zip(present, added, strict=True) if ok]
+        assert len(placed) > 100 and all(cf.lookup_many(placed))
+        assert cf.info().items == len(placed)
 
 
 class TestFullAndGrowth:
