@@ -34,6 +34,7 @@ from bench.markdown import f2, table, verdict
 from bench.suite import Target
 from guard import FilterFullError, SyncCuckooFilter
 from guard.hashing import item_hash
+from guard.layout import MAX_KICKS_LIMIT
 from guard.ops import BATCH_CHUNK, INSERT_CHUNK, KICK_BUDGET
 
 B, F, MAX_KICKS, SEED = 4, 16, core.MAX_KICKS, 11
@@ -93,6 +94,7 @@ class Rows:
     kick_step_usec: float  # CPU per kick step, from failing inserts
     failed_insert_usec: float
     direct_insert_usec: float
+    limit_insert_usec: float  # a failing insert at max_kicks = MAX_KICKS_LIMIT
 
 
 def main_cpu(r: redis.Redis) -> float:
@@ -305,29 +307,47 @@ def measure_worst(target: Target, s: Scale) -> list[WorstRow]:
     return rows
 
 
-def measure_kick_step(target: Target, s: Scale) -> tuple[float, float, float]:
-    """CPU of a failing insert (max_kicks steps, nothing written) and of a direct one: the
-    difference over max_kicks is one kick step's cost. Returns (step, failed, direct) in us."""
-    cf = target.filter("kicks")
-    slots = min(s.slots, 2**14)
-    core.reserve_fixed(cf, core.capacity_for_slots(slots, B), B, seed=SEED)
-    r = target.r
-    empty = core.keys("k-direct", 0, 500)
-    direct = cpu_window(r, len(empty), lambda: our_singles(cf, "insert", empty))
-    cf.delete_many(empty)
-    core.fill(cf, "k")  # to the first failure
-    tries = core.keys("k-fail", 0, 500)
+def failing_inserts(target: Target, slots: int, max_kicks: int, tries: int) -> float:
+    """CPU per insert, in us, of inserts into a fixed filter filled to its first failure: each
+    takes max_kicks steps and changes nothing (a failed chain is put back)."""
+    cf = target.filter(f"kicks{max_kicks}")
+    cf.reserve(
+        core.capacity_for_slots(slots, B),
+        fingerprint_bits=F,
+        bucket_size=B,
+        max_kicks=max_kicks,
+        expansion=0,
+        seed=SEED,
+    )
+    core.fill(cf, "k")
+    items = core.keys("k-fail", 0, tries)
 
     def attempt() -> None:
-        for a in range(0, len(tries), DEPTH):
+        for a in range(0, len(items), DEPTH):
             pipe = cf.pipeline()
-            for x in tries[a : a + DEPTH]:
+            for x in items[a : a + DEPTH]:
                 pipe.insert(x)
             pipe.execute(raise_on_error=False)
 
-    failed = cpu_window(r, len(tries), attempt)
+    usec = cpu_window(target.r, len(items), attempt)
     cf.drop()
-    return (failed - direct) / MAX_KICKS, failed, direct
+    return usec
+
+
+def measure_kick_step(target: Target, s: Scale) -> tuple[float, float, float, float]:
+    """CPU of a failing insert (max_kicks steps, nothing written) and of a direct one: the
+    difference over max_kicks is one kick step's cost. Also a failing insert at the largest
+    max_kicks a filter may have (guard/layout.py), the longest single insert there is.
+    Returns (step, failed, direct, failed at the limit) in us."""
+    cf = target.filter("direct")
+    slots = min(s.slots, 2**14)
+    core.reserve_fixed(cf, core.capacity_for_slots(slots, B), B, seed=SEED)
+    empty = core.keys("k-direct", 0, 500)
+    direct = cpu_window(target.r, len(empty), lambda: our_singles(cf, "insert", empty))
+    cf.drop()
+    failed = failing_inserts(target, slots, MAX_KICKS, 500)
+    at_limit = failing_inserts(target, slots, MAX_KICKS_LIMIT, 50)
+    return (failed - direct) / MAX_KICKS, failed, direct, at_limit
 
 
 def measure(target: Target, quick: bool = False) -> Rows:
@@ -345,8 +365,8 @@ def measure(target: Target, quick: bool = False) -> Rows:
     cf.drop()
     r.delete(floor.key)
     worst = measure_worst(target, s)
-    step, failed, direct = measure_kick_step(target, s)
-    return Rows(slots, costs, worst, step, failed, direct)
+    step, failed, direct, at_limit = measure_kick_step(target, s)
+    return Rows(slots, costs, worst, step, failed, direct, at_limit)
 
 
 # -- the report ---------------------------------------------------------------------------------
@@ -418,6 +438,10 @@ def report(rows: Rows) -> str:
             [
                 ["failing insert (max_kicks steps), CPU µs", f2(rows.failed_insert_usec)],
                 ["direct insert, CPU µs", f2(rows.direct_insert_usec)],
+                [
+                    f"failing insert at max_kicks {MAX_KICKS_LIMIT:,} (the limit), CPU ms",
+                    f2(rows.limit_insert_usec / 1000),
+                ],
                 ["one kick step, CPU µs", f2(rows.kick_step_usec)],
                 ["KICK_BUDGET (guard/ops.py), steps", f"{KICK_BUDGET:,}"],
                 ["KICK_BUDGET at this step cost, ms", f2(KICK_BUDGET * rows.kick_step_usec / 1000)],
