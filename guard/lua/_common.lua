@@ -35,11 +35,17 @@ local MAX_STRING_BYTES = 536870912
 local P31 = 2147483647
 local OK, STALE, FULL, NEEDKEYS, GAP, SOURCE = 0, 1, 2, 3, 4, 5
 
--- The caller's layout, and (filled by _store.lua) the per-call state the functions share.
+-- The caller's layout, and the per-call state the functions share (_store.lua), all made in
+-- one constructor (a field added later makes Lua grow the table). top: g below it has its
+-- top f0 bits all zero (fixed_g); drop.lua and reserve.lua carry no layout.
+local f0 = tonumber(ARGV[2])
 local L = {
-  b = tonumber(ARGV[1]), f0 = tonumber(ARGV[2]), fstep = tonumber(ARGV[3]),
+  b = tonumber(ARGV[1]), f0 = f0, fstep = tonumber(ARGV[3]),
   exp = tonumber(ARGV[4]), nsub = tonumber(ARGV[5]), kicks = tonumber(ARGV[6]),
   m0 = tonumber(ARGV[7]), seed = tonumber(ARGV[8]), digest = tonumber(ARGV[9]),
+  top = 2 ^ (32 - (f0 or 0)),
+  sf = {},  -- sub-filter n -> its slots and changes (_store.lua: sub)
+  removed = 0, missed = 0,  -- the delete counters, written with sub-filter 0
 }
 
 -- Sub-filter n under layout L: buckets, fingerprint bits, string length in bytes.
@@ -282,7 +288,6 @@ local function alt_index(i, hp, m)
 end
 
 -- g with its top f0 bits (its fingerprint prefix, g / L.top) never all zero.
-L.top = 2 ^ (32 - (L.f0 or 0))  -- (drop.lua and reserve.lua carry no layout)
 local function fixed_g(g)
   if g < L.top then g = g + L.top end
   return g

@@ -8,8 +8,8 @@
 -- before flush(), so a failed kick chain (put back from its own log) is never half-applied.
 -- Only GETRANGE reads: count.lua, which runs on read-only replicas, uses the same store.
 
-L.sf = {}  -- sub-filter n -> its state, made on first use (most calls touch one)
-L.removed, L.missed = 0, 0  -- the delete counters, written with sub-filter 0
+-- L.sf[n]: sub-filter n's state, made on first use (most calls touch one); L.removed and
+-- L.missed: the delete counters, written with sub-filter 0 (both made in _common.lua).
 
 local function sub(n)
   local s = L.sf[n]
