@@ -52,7 +52,7 @@ class Scale:
     worst_calls: int  # single calls timed one by one at 95 % load
 
 
-FULL = Scale(2**17, 7, 3000)
+FULL = Scale(2**17, 11, 3000)
 QUICK = Scale(2**13, 3, 300)
 
 
@@ -180,39 +180,37 @@ def fill(cf: SyncCuckooFilter, floor: Floor, tag: str, start: int, stop: int) ->
 def measure_costs(
     r: redis.Redis, cf: SyncCuckooFilter, floor: Floor, load: int, s: Scale, tag: str
 ) -> list[CostRow]:
-    """Alternating windows of each op, ours and the floor's; each round adds about 1 % load
-    with its inserts and takes it out with its deletes."""
+    """Each op's window for ours and for the floor's, one right after the other (which goes
+    first alternates by round), so that both see the same machine; each round adds about 1 %
+    load with its inserts and takes it out with its deletes."""
     m = max(BATCH, s.slots // 100 // BATCH * BATCH)
+    runs: dict[str, dict[str, Callable[[list[str]], object]]] = {
+        "ours": {
+            "insert": lambda x: our_singles(cf, "insert", x),
+            "delete": lambda x: our_singles(cf, "delete", x),
+            "insert_many": lambda x: our_batches(cf, "insert_many", x),
+            "delete_many": lambda x: our_batches(cf, "delete_many", x),
+        },
+        "floor": {
+            "insert": lambda x: floor.singles("i", x),
+            "delete": lambda x: floor.singles("d", x),
+            "insert_many": lambda x: floor.batches("i", x),
+            "delete_many": lambda x: floor.batches("d", x),
+        },
+    }
     rows = {op: CostRow(op, load) for op in ("insert", "insert_many", "delete", "delete_many")}
     for k in range(s.rounds):
         single = core.keys(f"{tag}-s{k}", 0, m)
         many = core.keys(f"{tag}-m{k}", 0, m)
-        sides = [("ours", True), ("floor", False)]
-        if k % 2:
-            sides.reverse()  # neither always goes first
-        for side, is_ours in sides:
-            runs: dict[str, Callable[[list[str]], object]] = (
-                {
-                    "insert": lambda x: our_singles(cf, "insert", x),
-                    "delete": lambda x: our_singles(cf, "delete", x),
-                    "insert_many": lambda x: our_batches(cf, "insert_many", x),
-                    "delete_many": lambda x: our_batches(cf, "delete_many", x),
-                }
-                if is_ours
-                else {
-                    "insert": lambda x: floor.singles("i", x),
-                    "delete": lambda x: floor.singles("d", x),
-                    "insert_many": lambda x: floor.batches("i", x),
-                    "delete_many": lambda x: floor.batches("d", x),
-                }
-            )
-            for op, items in (
-                ("insert", single),
-                ("delete", single),
-                ("insert_many", many),
-                ("delete_many", many),
-            ):
-                usec = cpu_window(r, len(items), functools.partial(runs[op], items))
+        sides = ["ours", "floor"] if k % 2 == 0 else ["floor", "ours"]
+        for op, items in (
+            ("insert", single),
+            ("delete", single),
+            ("insert_many", many),
+            ("delete_many", many),
+        ):
+            for side in sides:
+                usec = cpu_window(r, len(items), functools.partial(runs[side][op], items))
                 getattr(rows[op], side).append(usec)
     return list(rows.values())
 
