@@ -3,14 +3,18 @@
 Our filter (b=4, f=16, fixed size, max_kicks 500) and the floor (bench/floor.lua: the least a
 Lua/BITFIELD cuckoo filter of the same geometry does) are filled to the same load, side by
 side on the same server; then insert, insert_many, delete and delete_many run at 50 % and
-90 % load, ours and the floor's in alternating windows, several rounds. The figure is the
-server's main-thread CPU per item (INFO cpu: the thread that runs scripts; not commandstats,
-which counts time the thread was descheduled, on a machine shared by other processes), the
-ratio is the median of the rounds' ratios. Then, at 95 % load, every script call of single
-and batched inserts and deletes is timed alone (main-thread CPU between two INFO calls, less
-the same pair's cost with nothing between; and client-side wall time): the worst call seen.
-Also the cost of one kick step, from inserts that fail in a full table (each takes max_kicks
-steps and changes nothing), from which guard/ops.py's KICK_BUDGET is calibrated.
+90 % load, each op's window for ours right beside the floor's (which goes first alternates),
+several rounds. The figure is the server's main-thread CPU per item (INFO cpu: the thread
+that runs scripts; not commandstats, which counts time the thread was descheduled, on a
+machine shared by other processes); the ratio is the median of the rounds' ratios.
+
+Then, at 95 % load, every script call of single and batched inserts and deletes is timed
+alone: main-thread CPU between two INFO calls, less the same pair's cost with nothing between;
+and client-side wall time, which also counts any wait for a CPU on a shared machine. The
+worst call seen is the figure. Last, the cost of one kick step, from inserts that fail in a
+full table (each takes max_kicks steps and changes nothing), from which guard/ops.py's
+KICK_BUDGET is calibrated; and a failing insert at the largest max_kicks a filter may have:
+one item's own chain, the least a call can be cut to.
 
 The pipeline (bench/suite.py) gives the server: a private redis-server unless --redis-url.
 ``measure(target, quick)`` returns the rows, ``report(rows)`` the markdown.
