@@ -47,7 +47,10 @@ _GUARD_REPLY = re.compile(r"GUARD_([A-Z]+) ?([^\n]*?)(?: script: .*)?$", re.S)
 
 
 # The limits a script enforces itself, from guard/ops.py (one place for both languages).
-LIMITS = f"local KICK_BUDGET, ITEM_WORK = {ops.KICK_BUDGET}, {ops.ITEM_WORK}"
+LIMITS = (
+    f"local KICK_BUDGET, RESERVE_MAX, ITEM_WORK = {ops.KICK_BUDGET}, {ops.RESERVE_MAX}, "
+    f"{ops.ITEM_WORK}"
+)
 
 
 @cache

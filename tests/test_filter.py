@@ -182,7 +182,7 @@ class TestWorkLimit:
         insert = scripts.register(sync_redis)["insert"]
         reply = insert(keys=[cf.key(0)], args=[*lay.args(), 0, *flat])
         # Nearly empty: no item kicks, so the call takes exactly what its budget allows.
-        taken = (ops.KICK_BUDGET - lay.max_kicks) // ops.ITEM_WORK
+        taken = (ops.KICK_BUDGET - lay.max_kicks) // ops.ITEM_WORK  # max_kicks <= RESERVE_MAX
         assert reply[:2] == [scripts.OK, 1] and reply[2:] == [1] * taken
         assert cf.info().items == taken
         # The library sends the rest again, call after call; the table is the reference's.
@@ -194,16 +194,24 @@ class TestWorkLimit:
         table = unpack_table(stored, lay.buckets0, lay.bucket_size, lay.fp_bits)
         assert table == ref.tables[0]
 
-    def test_kicks_past_the_budget_go_one_item_a_call(self, cf: SyncCuckooFilter) -> None:
-        cf.reserve(100, max_kicks=4000, bucket_size=2, expansion=0, seed=9)
-        present = items(150)
-        try:
-            added = cf.insert_many(present)
-        except FilterFullError as full:
-            added = full.results
-        placed = [x for x, ok in zip(present, added, strict=True) if ok]
-        assert len(placed) > 100 and all(cf.lookup_many(placed))
-        assert cf.info().items == len(placed)
+    def test_long_chains_still_go_in_batches(
+        self, cf: SyncCuckooFilter, sync_redis: redis.Redis
+    ) -> None:
+        """max_kicks past half the budget: a call reserves half the budget for the next item's
+        chain, not all of max_kicks (which would be one item a call, even into an empty
+        filter)."""
+        cf.reserve(20_000, max_kicks=4000, seed=9)
+        batch = items(400)
+        lay = cf._layout
+        flat = hashing.flat(hashing.hash_batch([x.encode() for x in batch], lay.seed))
+        reply = scripts.register(sync_redis)["insert"](
+            keys=[cf.key(0)], args=[*lay.args(), 0, *flat]
+        )
+        taken = (ops.KICK_BUDGET - ops.RESERVE_MAX) // ops.ITEM_WORK
+        assert taken > 1 and reply[2:] == [1] * taken
+        assert ops.insert_chunk(lay.max_kicks) == taken
+        assert all(cf.insert_many(batch[taken:]))
+        assert all(cf.lookup_many(batch)) and cf.info().items == len(batch)
 
 
 class TestFullAndGrowth:

@@ -2,11 +2,13 @@
 -- goes through the slot store (_store.lua); finish() writes it all back.
 --
 -- One call's work is limited (guard/ops.py: KICK_BUDGET, put before the script by
--- guard/scripts.py with ITEM_WORK): the scripts that add take their next item only while
--- `work + max_kicks + ITEM_WORK` fits in KICK_BUDGET, counting each item's kick steps plus
--- ITEM_WORK for the rest of its cost, and answer for the items they took; the caller sends
--- the rest again. So no call holds Redis much longer than KICK_BUDGET steps take, however
--- full the filter, while a call at a low load still takes a whole batch.
+-- guard/scripts.py with RESERVE_MAX and ITEM_WORK): the scripts that add take their next item
+-- only while `work + reserve` fits in KICK_BUDGET, `work` counting each item's kick steps plus
+-- ITEM_WORK for the rest of its cost, `reserve` the next item's worst case (ITEM_WORK plus
+-- max_kicks, or RESERVE_MAX if less); they answer for the items they took, and the caller
+-- sends the rest again. So no call holds Redis much longer than KICK_BUDGET steps (or one
+-- chain more than RESERVE_MAX) take, however full the filter, while a call at a low load
+-- still takes a whole batch.
 
 -- Whether the item (h, g) is in any sub-filter. hp = mix(its fingerprint prefix), the same
 -- in every sub-filter.

@@ -25,11 +25,12 @@ local skip = math.min(count, math.max(0, applied - first + 1))
 if skip < count and first + skip ~= applied + 1 then
   return {GAP, L.nsub, applied, 0}
 end
-local work = 0  -- kick steps and ITEM_WORK per item, this call (_add.lua)
+-- This call's work so far, and what the next item may add (_add.lua).
+local work, reserve = 0, math.min(L.kicks, RESERVE_MAX) + ITEM_WORK
 local reply, status = {OK, L.nsub, applied, skip}, OK
 for _ = 1, skip do reply[#reply + 1] = 1 end
 for k = 12 + 3 * skip, #ARGV, 3 do
-  if k > 12 + 3 * skip and work + L.kicks + ITEM_WORK > KICK_BUDGET then break end  -- _add.lua
+  if k > 12 + 3 * skip and work + reserve > KICK_BUDGET then break end
   local h, g = tonumber(ARGV[k + 1]), fixed_g(tonumber(ARGV[k + 2]))
   local r, steps, stopped = 0, 0, nil
   if ARGV[k] == 'i' then r, steps, stopped = add(h, g, false) else r = remove(h, g) end

@@ -11,10 +11,11 @@ local err = check_layout()
 if err then return err end
 local unique = ARGV[10] == '1'
 
-local work = 0  -- kick steps and ITEM_WORK per item, this call (_add.lua)
+-- This call's work so far, and what the next item may add (_add.lua).
+local work, reserve = 0, math.min(L.kicks, RESERVE_MAX) + ITEM_WORK
 local reply, status = {0, 0}, OK
 for k = 11, #ARGV, 2 do
-  if k > 11 and work + L.kicks + ITEM_WORK > KICK_BUDGET then break end  -- _add.lua
+  if k > 11 and work + reserve > KICK_BUDGET then break end
   local r, steps, stopped = add(tonumber(ARGV[k]), fixed_g(tonumber(ARGV[k + 1])), unique)
   work = work + steps + ITEM_WORK
   if not r then
