@@ -27,6 +27,7 @@ from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 import numpy as np
+from mmh3 import hash128
 
 from guard import hashing
 from guard.layout import HEADER_BYTES, TAG_BYTES, Layout
@@ -136,6 +137,67 @@ def _per_subfilter(layout: Layout) -> tuple[_Subfilter, ...]:
             )
         )
     return tuple(out)
+
+
+class SingleRead:
+    """One item's lookup in a filter of one sub-filter, the most frequent read of all (a web
+    request's): the command ReadPlan makes for it, from arithmetic written out inline.
+
+    A handle keeps one per layout; ``command`` and ``holds`` are the only Python calls a
+    lookup makes beyond the driver's (ReadPlan's general planning costs a single item more
+    than Redis and the client library spend on it). The same arithmetic as guard/hashing.py,
+    inlined: the tests compare both plans' commands.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        if layout.subfilters != 1:
+            raise ValueError("a single read is for a filter of one sub-filter")
+        sub = _per_subfilter(layout)[0]
+        self.layout = layout
+        self.tag = sub.tag
+        self._tag_read = list(sub.tag_read)
+        self._reads = sub.reads
+        self._seed = layout.seed
+        self._m = sub.buckets
+        self._f = layout.fp_bits
+        self._low = 1 << (32 - self._f)  # fix_g's bound
+        self._shift = 32 - self._f
+        self._bucket_bits = layout.bucket_size * self._f
+        self._base = HEADER_BYTES * 8
+        # One read per bucket (b * f <= 64: b=4 with f=16, say): its type; else None.
+        reads = sub.reads._reads
+        self._kind = reads[0][1] if len(reads) == 1 else None
+        self._lanes = sub.reads.lanes[0]
+
+    def command(self, key: str, item: bytes) -> tuple[list[object], int]:
+        """The read command's arguments (after its name), and the item's fingerprint."""
+        x = hash128(item, self._seed, signed=False)
+        h, g = x & hashing.H_MASK, (x >> 64) & hashing.G_MASK
+        if g < self._low:
+            g += self._low
+        fp = g >> self._shift
+        i1 = h % self._m
+        i2 = (hashing.mix(fp) - i1) % self._m
+        at1 = self._base + i1 * self._bucket_bits
+        at2 = self._base + i2 * self._bucket_bits
+        if self._kind is not None:
+            kind = self._kind
+            return [key, *self._tag_read, "GET", kind, at1, "GET", kind, at2], fp
+        gets = self._reads.gets
+        return [key, *self._tag_read, *gets(at1), *gets(at2)], fp
+
+    def holds(self, reply: Sequence[int], fp: int) -> bool:
+        """Whether the reply's buckets hold ``fp``; its tag (``reply[0]``) is checked first by
+        the caller, against ``tag``."""
+        if self._kind is None:
+            return self._reads.holds(reply[1:], fp)
+        lo, hi = self._lanes
+        want = fp * lo
+        x = (reply[1] % _U64) ^ want
+        if (x - lo) & ~x & hi:
+            return True
+        x = (reply[2] % _U64) ^ want
+        return bool((x - lo) & ~x & hi)
 
 
 class ReadPlan:
