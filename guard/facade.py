@@ -235,6 +235,8 @@ class AsyncHandle(AsyncRunner, Facade[InfoT]):
     # Lookups, unlike the other methods, go through the coalescer.
     async def lookup(self, item: str | bytes) -> bool:  # type: ignore[override]
         """Whether ``item`` is probably present (False is certain)."""
+        if self._coalescer is None:  # straight to the one-item operation
+            return await self._run(self._lookup_one_op(item))
         return (await self._lookup([item]))[0]
 
     async def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:  # type: ignore[override]

@@ -84,6 +84,7 @@ def lockstep(
     answers: dict[K, Any] = dict.fromkeys(ops)  # None: not started (send(None) starts it)
     while answers:
         pending: dict[K, Round | Batch] = {}
+        batches = False  # whether some operation asks for a Batch, not a Round
         for key, answer in answers.items():
             op = ops[key]
             try:
@@ -107,9 +108,10 @@ def lockstep(
                 results[key] = stop
                 continue
             pending[key] = request
+            batches = batches or isinstance(request, dict)
         if not pending:
             break
-        if not any(isinstance(request, dict) for request in pending.values()):
+        if not batches:
             # Rounds only (a pipeline of single-item calls): they go by the operations' keys.
             answers = yield cast("Batch", pending)
             continue
