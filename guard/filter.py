@@ -52,6 +52,7 @@ from guard.ops import (
     Op,
     Round,
     forgets_on_damage,
+    one_command,
 )
 from guard.params import APPLIED, SOURCE, FilterParams
 from guard.reads import ReadPlan, SingleRead, TagMismatch
@@ -231,7 +232,7 @@ class FilterOps:
         args, fp = single.command(self._base, item)
         used = self._read_command
         try:
-            (reply,) = yield Round([Command(used, args)])
+            (reply,) = yield one_command(used, args)
         except ResponseError as exc:
             # fakeredis has no BITFIELD_RO; BITFIELD with only GETs reads the same.
             if used == "BITFIELD_RO" and "bitfield_ro" in str(exc).lower():

@@ -34,6 +34,7 @@ from guard.layout import HEADER_BYTES, TAG_BYTES, Layout
 
 MAX_GETS = 2000
 _U64 = 1 << 64
+_H_MASK, _G_MASK, _mix = hashing.H_MASK, hashing.G_MASK, hashing.mix
 
 
 class TagMismatch(Exception):
@@ -155,41 +156,45 @@ class SingleRead:
         sub = _per_subfilter(layout)[0]
         self.layout = layout
         self.tag = sub.tag
-        self._tag_read = list(sub.tag_read)
         self._reads = sub.reads
-        self._seed = layout.seed
-        self._m = sub.buckets
-        self._f = layout.fp_bits
-        self._low = 1 << (32 - self._f)  # fix_g's bound
-        self._shift = 32 - self._f
-        self._bucket_bits = layout.bucket_size * self._f
-        self._base = HEADER_BYTES * 8
+        f = layout.fp_bits
         # One read per bucket (b * f <= 64: b=4 with f=16, say): its type; else None.
         reads = sub.reads._reads
-        self._kind = reads[0][1] if len(reads) == 1 else None
-        self._lanes = sub.reads.lanes[0]
+        kind = reads[0][1] if len(reads) == 1 else None
+        # Everything command() needs, unpacked in one step (attribute loads add up here).
+        self._consts = (
+            layout.seed,
+            sub.buckets,
+            1 << (32 - f),  # fix_g's bound
+            32 - f,
+            layout.bucket_size * f,
+            HEADER_BYTES * 8,
+            kind,
+            *sub.tag_read,
+        )
+        self._lanes = sub.reads.lanes[0] if kind is not None else None
 
     def command(self, key: str, item: bytes) -> tuple[list[object], int]:
         """The read command's arguments (after its name), and the item's fingerprint."""
-        x = hash128(item, self._seed, signed=False)
-        h, g = x & hashing.H_MASK, (x >> 64) & hashing.G_MASK
-        if g < self._low:
-            g += self._low
-        fp = g >> self._shift
-        i1 = h % self._m
-        i2 = (hashing.mix(fp) - i1) % self._m
-        at1 = self._base + i1 * self._bucket_bits
-        at2 = self._base + i2 * self._bucket_bits
-        if self._kind is not None:
-            kind = self._kind
-            return [key, *self._tag_read, "GET", kind, at1, "GET", kind, at2], fp
+        seed, m, low, shift, bucket_bits, base, kind, get, tag_kind, tag_bit = self._consts
+        x = hash128(item, seed, signed=False)
+        g = (x >> 64) & _G_MASK
+        if g < low:
+            g += low
+        fp = g >> shift
+        i1 = (x & _H_MASK) % m
+        i2 = (_mix(fp) - i1) % m
+        at1 = base + i1 * bucket_bits
+        at2 = base + i2 * bucket_bits
+        if kind is not None:
+            return [key, get, tag_kind, tag_bit, "GET", kind, at1, "GET", kind, at2], fp
         gets = self._reads.gets
-        return [key, *self._tag_read, *gets(at1), *gets(at2)], fp
+        return [key, get, tag_kind, tag_bit, *gets(at1), *gets(at2)], fp
 
     def holds(self, reply: Sequence[int], fp: int) -> bool:
         """Whether the reply's buckets hold ``fp``; its tag (``reply[0]``) is checked first by
         the caller, against ``tag``."""
-        if self._kind is None:
+        if self._lanes is None:
             return self._reads.holds(reply[1:], fp)
         lo, hi = self._lanes
         want = fp * lo
