@@ -83,6 +83,14 @@ def core_suite(a: argparse.Namespace) -> Iterator[Suite]:
         )
 
 
+def module_version(t: Any) -> str:
+    for module in t.r.module_list():
+        fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in module.items()}
+        if fields.get("name") in (b"bf", "bf"):
+            return str(fields.get("ver"))
+    return "?"
+
+
 @contextmanager
 def perf_suite(a: argparse.Namespace) -> Iterator[Suite]:
     s = perf.QUICK if a.quick else perf.FULL
@@ -96,6 +104,8 @@ def perf_suite(a: argparse.Namespace) -> Iterator[Suite]:
     with open_target(a.redis_url, "perf", *module) as t:
         if a.redisbloom and not t.redisbloom:
             raise SystemExit(f"--redisbloom: {a.redisbloom} did not load as RedisBloom")
+        if a.redisbloom:
+            t.env["RedisBloom module"] = f"{module[1]} (MODULE LIST: bf {module_version(t)})"
         t.env["wrk"] = perf_http.wrk_path() or "not installed: HTTP section skipped"
         services: list[perf.Services] = []  # running while the HTTP sections are measured
 
