@@ -237,7 +237,7 @@ class AsyncHandle(AsyncRunner, Facade[InfoT]):
         """Whether ``item`` is probably present (False is certain)."""
         if self._coalescer is None:  # straight to the one-item operation
             return await self._run(self._lookup_one_op(item))
-        return (await self._lookup([item]))[0]
+        return (await self._coalescer.lookup_many([to_bytes(item)]))[0]
 
     async def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:  # type: ignore[override]
         """``lookup`` of each item."""
