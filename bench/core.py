@@ -20,9 +20,10 @@ import redis
 from bench.suite import Target
 from guard import layout as fmt
 from guard.errors import FilterFullError
-from guard.filter import INSERT_CHUNK, KICK_BUDGET, FilterInfo, SyncCuckooFilter
+from guard.filter import FilterInfo, SyncCuckooFilter
 from guard.hashing import alt_bucket, fingerprint, fix_g, item_hash
 from guard.layout import Layout
+from guard.ops import insert_chunk
 from guard.reads import ReadPlan
 
 MAX_KICKS = 500
@@ -39,8 +40,9 @@ REDISBLOOM_REFERENCE = (
     (2, 0.47, 16.95, 0.0073),
     (4, 0.79, 10.12, 0.0246),
 )
-# Items insert_many sends per script call at MAX_KICKS (guard/filter.py's _insert_op rule).
-INSERT_PER_CALL = min(INSERT_CHUNK, KICK_BUDGET // MAX_KICKS)
+# Items insert_many sends per script call at MAX_KICKS (guard/filter.py's _insert_op rule);
+# at a low load the script's work limit (guard/ops.py: KICK_BUDGET) lets it take them all.
+INSERT_PER_CALL = insert_chunk(MAX_KICKS)
 
 
 @dataclass(frozen=True)

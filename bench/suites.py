@@ -28,6 +28,7 @@ from bench import (
     cluster,
     core,
     core_report,
+    mutations,
     outages,
     perf,
     perf_http,
@@ -265,6 +266,17 @@ SUITES: dict[str, Entry] = {
             ("--items", {"type": int, "default": None, "help": "keys in the file (10M)"}),
             ("--sample", {"type": int, "default": None, "help": "keys for insert_many (200k)"}),
         ),
+    ),
+    "mutations": Entry(
+        "cost of inserts and deletes against a minimal Lua floor, by load; the longest call",
+        lambda a: single_section(
+            "mutations",
+            "Mutations against the floor",
+            a.redis_url,
+            lambda t: mutations.measure(t, quick=a.quick),
+            mutations.report,
+        ),
+        report="docs/bench-mutations.md",
     ),
     "reliability": Entry(
         "worker processes churn one filter near full; checks for false negatives",

@@ -32,14 +32,13 @@ from guard.layout import (
     unpack_header,
 )
 from guard.ops import (
-    INSERT_CHUNK,
-    KICK_BUDGET,
     MAX_RETRIES,
     Call,
     Command,
     Op,
     Round,
     forgets_on_damage,
+    insert_chunk,
 )
 from guard.params import Limit
 
@@ -103,11 +102,6 @@ def _checked(changes: Sequence[Change]) -> list[Item]:
     return out
 
 
-def _chunk(layout: Layout) -> int:
-    # Each change may kick like an insert: the same budget per call.
-    return max(1, min(INSERT_CHUNK, KICK_BUDGET // max(1, layout.max_kicks)))
-
-
 def _change_args(part: Sequence[Item], seed: int) -> list[str | int]:
     args: list[str | int] = []
     for _, insert, data in part:
@@ -134,7 +128,8 @@ class _Sender:
             if not f._layout.buckets0:
                 yield from f._probe_op()
             layout = f._layout
-            keys = f._keys(layout.subfilters + self.spares)
+            # Spare keys for growth; a filter that never grows needs none.
+            keys = f._keys(layout.subfilters + (self.spares if layout.expansion else 0))
             try:
                 (reply,) = yield Round([Call(self.script, keys, [*layout.args(), *tail(layout)])])
             except (ClusterError, TryAgainError):
@@ -173,13 +168,16 @@ def apply_op(f: FilterOps, changes: Sequence[Change], source: int) -> Op:
     while True:
         if not f._layout.buckets0:
             yield from f._probe_op()
-        part = batch[len(results) : len(results) + _chunk(f._layout)]
+        part = batch[len(results) : len(results) + insert_chunk(f._layout.max_kicks)]
         first = part[0][0] if part else 1
 
         def tail(layout: Layout, part: list[Item] = part, first: int = first) -> list[Any]:
             return [src, first, *_change_args(part, layout.seed)]
 
         reply = yield from sender.call(tail)
+        if reply[0] == scripts.OK and len(reply) == 4 and part:
+            # A call always takes its first change: this is not our script (never loop).
+            raise GuardError(f"{f.name}: apply made no progress", filter=f.name)
         applied = int(reply[2])
         skipped += int(reply[3])
         results.extend(bool(r) for r in reply[4:])

@@ -44,14 +44,13 @@ from guard.layout import (
 from guard.names import DEFAULT_PREFIX, STAGING, base_key, check_name
 from guard.ops import (
     BATCH_CHUNK,
-    INSERT_CHUNK,
-    KICK_BUDGET,
     MAX_RETRIES,
     Call,
     Command,
     Op,
     Round,
     forgets_on_damage,
+    insert_chunk,
     one_command,
 )
 from guard.params import APPLIED, SOURCE, FilterParams
@@ -305,10 +304,12 @@ class FilterOps:
             if not self._layout.buckets0:
                 yield from self._probe_op()
             layout = self._layout
-            chunk = max(1, min(INSERT_CHUNK, KICK_BUDGET // max(1, layout.max_kicks)))
-            part = data[len(results) : len(results) + chunk]
-            # Two spare keys: growth may add sub-filters within one call.
-            keys = self._keys(layout.subfilters + spares)
+            # The script bounds its own work (guard/ops.py: KICK_BUDGET) and answers for the
+            # items it took; the rest go in the next call.
+            part = data[len(results) : len(results) + insert_chunk(layout.max_kicks)]
+            # Two spare keys: growth may add sub-filters within one call (a filter that never
+            # grows needs none; each key is a cost on every call).
+            keys = self._keys(layout.subfilters + (spares if layout.expansion else 0))
             args = [
                 *layout.args(),
                 int(unique),
@@ -334,6 +335,9 @@ class FilterOps:
                         f"{self.name}: layout kept changing during insert", filter=self.name
                     )
                 continue
+            if reply[0] == scripts.OK and len(reply) == 2:
+                # A call always takes its first item: this is not our script (never loop).
+                raise GuardError(f"{self.name}: insert made no progress", filter=self.name)
             results.extend(bool(r) for r in reply[2:])
             if reply[0] == scripts.FULL:
                 raise FilterFullError(

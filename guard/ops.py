@@ -18,11 +18,31 @@ from guard.errors import FilterCorruptError
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
 
-BATCH_CHUNK = 1000  # items per count/delete script call
-INSERT_CHUNK = 512
-# Kick steps one insert call may take in the worst case (about 1.5 us each on the server):
-# keeps a batch into a nearly full filter far below Redis's 5 s busy-script limit.
-KICK_BUDGET = 100_000
+# What one script call may cost Redis: none should hold it longer than about 5 ms (issue 15),
+# however full the filter. Measured by `python -m bench mutations` (docs/bench-mutations.md):
+# one kick step costs about 2 us of server CPU, an item about 7 us besides its kicks (a
+# delete or count about 7 us), on the reference machine under load.
+BATCH_CHUNK = 300  # items per count/delete script call: about 2 ms
+INSERT_CHUNK = 512  # items per insert/apply call at most (below: insert_chunk)
+# Work one insert or apply call may do, in kick steps (about 2 ms): counting each item's kick
+# steps plus ITEM_WORK for the rest of its cost, the script takes its next item only while
+# the work so far plus that item's reserve (ITEM_WORK and its max_kicks, or RESERVE_MAX if
+# less) still fits, and answers for the items it took; the client sends the rest again
+# (guard/lua/_add.lua). So a call does at most KICK_BUDGET steps when max_kicks is at most
+# RESERVE_MAX (the default 500 is), else RESERVE_MAX plus one item's chain: a filter with long
+# chains still takes batches at a low load. The first item always goes: one chain of
+# max_kicks steps (at most 4000, about 5 ms) is the least a call can be cut to.
+KICK_BUDGET = 1000
+RESERVE_MAX = KICK_BUDGET // 2
+ITEM_WORK = 4  # an item's cost besides its kicks, in kick steps
+
+
+def insert_chunk(max_kicks: int) -> int:
+    """Items per insert/apply call: what the script takes when no item kicks (sending more
+    would only send their arguments twice)."""
+    return max(1, min(INSERT_CHUNK, (KICK_BUDGET - min(max_kicks, RESERVE_MAX)) // ITEM_WORK))
+
+
 MAX_RETRIES = 8  # times an operation reads a layout that keeps changing before it gives up
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from guard import ops
 from guard.errors import (
     FilterCorruptError,
     FilterExistsError,
@@ -26,10 +27,10 @@ from guard.errors import (
 PIECES = {
     "reserve": ("_common",),
     "count": ("_common", "_store"),
-    "insert": ("_common", "_store", "_place"),
-    "delete": ("_common", "_store", "_place"),
-    "apply": ("_common", "_store", "_place", "_changes"),
-    "undo": ("_common", "_store", "_place", "_changes"),
+    "insert": ("_common", "_store", "_add"),
+    "delete": ("_common", "_store", "_remove"),
+    "apply": ("_common", "_store", "_add", "_remove", "_changes"),
+    "undo": ("_common", "_store", "_add", "_remove", "_changes"),
     "drop": ("_common",),
     "promote": ("_common",),
 }
@@ -45,11 +46,18 @@ _CODES: dict[str, type[GuardError]] = {
 _GUARD_REPLY = re.compile(r"GUARD_([A-Z]+) ?([^\n]*?)(?: script: .*)?$", re.S)
 
 
+# The limits a script enforces itself, from guard/ops.py (one place for both languages).
+LIMITS = (
+    f"local KICK_BUDGET, RESERVE_MAX, ITEM_WORK = {ops.KICK_BUDGET}, {ops.RESERVE_MAX}, "
+    f"{ops.ITEM_WORK}"
+)
+
+
 @cache
 def source(name: str) -> str:
     lua = files("guard") / "lua"
     parts = [*PIECES[name], name]
-    return "\n".join((lua / f"{part}.lua").read_text() for part in parts)
+    return "\n".join([LIMITS, *((lua / f"{part}.lua").read_text() for part in parts)])
 
 
 def register(client: Any) -> dict[str, Any]:

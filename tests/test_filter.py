@@ -12,9 +12,13 @@ from guard import (
     FilterNotFoundError,
     InvalidParameterError,
     SyncCuckooFilter,
+    hashing,
     list_filters_sync,
+    ops,
+    scripts,
 )
-from guard.layout import MAX_STRING_BYTES
+from guard.layout import MAX_STRING_BYTES, unpack_table
+from tests.reference import ReferenceFilter
 
 
 def items(n: int, tag: str = "k") -> list[str]:
@@ -163,6 +167,51 @@ class TestItems:
         cf.delete_many(["x", "never", "seen"])
         info = cf.info()
         assert (info.deletes, info.missed_deletes, info.items) == (1, 2, 0)
+
+
+class TestWorkLimit:
+    """One script call does a bounded amount of work (guard/ops.py: KICK_BUDGET)."""
+
+    def test_a_call_takes_what_fits_and_the_client_sends_the_rest(
+        self, cf: SyncCuckooFilter, sync_redis: redis.Redis
+    ) -> None:
+        cf.reserve(20_000, max_kicks=500, seed=5)
+        batch = items(400)
+        lay = cf._layout
+        flat = hashing.flat(hashing.hash_batch([x.encode() for x in batch], lay.seed))
+        insert = scripts.register(sync_redis)["insert"]
+        reply = insert(keys=[cf.key(0)], args=[*lay.args(), 0, *flat])
+        # Nearly empty: no item kicks, so the call takes exactly what its budget allows.
+        taken = (ops.KICK_BUDGET - lay.max_kicks) // ops.ITEM_WORK  # max_kicks <= RESERVE_MAX
+        assert reply[:2] == [scripts.OK, 1] and reply[2:] == [1] * taken
+        assert cf.info().items == taken
+        # The library sends the rest again, call after call; the table is the reference's.
+        assert all(cf.insert_many(batch[taken:]))
+        ref = ReferenceFilter(lay)
+        assert all(ref.insert(x) for x in batch)
+        stored = sync_redis.get(cf.key(0))
+        assert stored is not None
+        table = unpack_table(stored, lay.buckets0, lay.bucket_size, lay.fp_bits)
+        assert table == ref.tables[0]
+
+    def test_long_chains_still_go_in_batches(
+        self, cf: SyncCuckooFilter, sync_redis: redis.Redis
+    ) -> None:
+        """max_kicks past half the budget: a call reserves half the budget for the next item's
+        chain, not all of max_kicks (which would be one item a call, even into an empty
+        filter)."""
+        cf.reserve(20_000, max_kicks=4000, seed=9)
+        batch = items(400)
+        lay = cf._layout
+        flat = hashing.flat(hashing.hash_batch([x.encode() for x in batch], lay.seed))
+        reply = scripts.register(sync_redis)["insert"](
+            keys=[cf.key(0)], args=[*lay.args(), 0, *flat]
+        )
+        taken = (ops.KICK_BUDGET - ops.RESERVE_MAX) // ops.ITEM_WORK
+        assert taken > 1 and reply[2:] == [1] * taken
+        assert ops.insert_chunk(lay.max_kicks) == taken
+        assert all(cf.insert_many(batch[taken:]))
+        assert all(cf.lookup_many(batch)) and cf.info().items == len(batch)
 
 
 class TestFullAndGrowth:

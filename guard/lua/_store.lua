@@ -1,82 +1,138 @@
--- _store.lua: the bucket cache used by scripts that write (and count).
--- Bucket store: a read-through cache of buckets, changed in place, written back by flush().
--- Nothing reaches Redis before flush(), so a failed kick chain is dropped, never half-applied.
--- Per sub-filter tables are made on first use: most calls touch one sub-filter, and building
--- them all up front was a measurable share of a lookup's cost.
-local cache, orig, dirty, item_delta = {}, {}, {}, {}
--- The command load() reads buckets with: count.lua, which only reads, switches to BITFIELD_RO
--- so that it runs on a read-only replica (BITFIELD is a write command even when it only GETs).
-local READ = 'BITFIELD'
+-- _store.lua: the slots a script reads and changes, and the one write that ends it.
+--
+-- Per sub-filter n, sub(n) holds its slots in one flat table (slot j of bucket i at i*b + j,
+-- j from 0), filled a bucket at a time by one GETRANGE of the bytes that hold it, decoded with
+-- string.byte (one BITFIELD GET costs about half a GETRANGE; a bucket is 4 of them). A slot's
+-- first value is logged when it first changes; flush() writes only the slots whose value
+-- differs from it, with the item count, in one BITFIELD per sub-filter. Nothing reaches Redis
+-- before flush(), so a failed kick chain (put back from its own log) is never half-applied.
+-- Only GETRANGE reads: count.lua, which runs on read-only replicas, uses the same store.
 
-local function touch(n)
-  if not cache[n] then cache[n] = {}; orig[n] = {}; dirty[n] = {}; item_delta[n] = 0 end
+-- L.sf[n]: sub-filter n's state, made on first use (most calls touch one); L.removed and
+-- L.missed: the delete counters, written with sub-filter 0 (both made in _common.lua).
+
+local function sub(n)
+  local s = L.sf[n]
+  if s then return s end
+  local m, f = geometry(L, n)
+  s = {
+    key = KEYS[n + 1], m = m, f = f, b = L.b, ftype = 'u' .. f,
+    t = {},      -- slot index -> value (nil: its bucket not read yet)
+    first = {},  -- slot index -> its value before this call changed it
+    delta = 0,   -- items added minus removed
+    gdiv = 2 ^ (32 - f),      -- an item's fingerprint is floor(g / gdiv)
+    pdiv = 2 ^ (f - L.f0),    -- a stored fingerprint's prefix is floor(fp / pdiv)
+  }
+  L.sf[n] = s
+  return s
 end
 
--- Reads buckets (list of indexes) of sub-filter n that are not cached, in one BITFIELD call.
-local function load(n, list)
-  touch(n)
-  local args, want, seen = {READ, KEYS[n + 1]}, {}, {}
-  local ftype = 'u' .. sf_bits(n)
-  for _, i in ipairs(list) do
-    if not cache[n][i] and not seen[i] then
-      seen[i] = true
-      want[#want + 1] = i
-      for s = 0, L.b - 1 do
-        args[#args + 1] = 'GET'; args[#args + 1] = ftype; args[#args + 1] = slot_offset(n, i, s)
-      end
+-- Reads bucket i of sub-filter s into s.t: one GETRANGE of the bytes holding its b slots
+-- (the table starts at byte 128, HEADER_BYTES; offsets go as strings: Redis would format a
+-- Lua number with %.17g).
+local function load(s, i)
+  local b, f, t, byte = s.b, s.f, s.t, string.byte
+  local k0 = i * b
+  if f == 16 then
+    local at = 128 + k0 * 2
+    local raw = redis.call('GETRANGE', s.key, string.format('%d', at),
+      string.format('%d', at + 2 * b - 1))
+    if b == 4 then
+      local a1, a2, a3, a4, a5, a6, a7, a8 = byte(raw, 1, 8)
+      t[k0], t[k0 + 1], t[k0 + 2], t[k0 + 3] = a1 * 256 + a2, a3 * 256 + a4, a5 * 256 + a6,
+        a7 * 256 + a8
+    else
+      local c = {byte(raw, 1, 2 * b)}
+      for j = 0, b - 1 do t[k0 + j] = c[2 * j + 1] * 256 + c[2 * j + 2] end
+    end
+  else
+    -- Any width: the bucket's bits start `lead` bits into its first byte; each slot is read
+    -- from the (at most 5) bytes that hold it, a big-endian integer below 2^40.
+    local floor = math.floor
+    local start = k0 * f
+    local q0 = floor(start / 8)
+    local raw = redis.call('GETRANGE', s.key, string.format('%d', 128 + q0),
+      string.format('%d', 128 + floor((start + b * f - 1) / 8)))
+    local c = {byte(raw, 1, -1)}
+    local lead = start - 8 * q0
+    for j = 0, b - 1 do
+      local o = lead + j * f
+      local p, last = floor(o / 8), floor((o + f - 1) / 8)
+      local v = 0
+      for q = p + 1, last + 1 do v = v * 256 + c[q] end
+      t[k0 + j] = floor(v / 2 ^ (8 * (last - p + 1) - (o - 8 * p) - f)) % 2 ^ f
     end
   end
-  if #want == 0 then return end
-  local r = redis.call(unpack(args))
-  for k, i in ipairs(want) do
-    local bucket, copy = {}, {}
-    for s = 1, L.b do
-      bucket[s] = r[(k - 1) * L.b + s]; copy[s] = bucket[s]
-    end
-    cache[n][i] = bucket; orig[n][i] = copy
+end
+
+-- The first slot of bucket i holding v (its index in s.t), or nil; reads the bucket if needed.
+local function find(s, i, v)
+  local t, k = s.t, i * s.b
+  if t[k] == nil then load(s, i) end
+  for j = k, k + s.b - 1 do
+    if t[j] == v then return j end
   end
-end
-
-local function bucket(n, i)
-  if not (cache[n] and cache[n][i]) then load(n, {i}) end
-  return cache[n][i]
-end
-
-local function find(bkt, fp)
-  for s = 1, L.b do if bkt[s] == fp then return s end end
   return nil
 end
 
-local function put(n, i, s, fp)
-  bucket(n, i)[s] = fp
-  dirty[n][i] = true
+local function set(s, k, v)
+  local t = s.t
+  if s.first[k] == nil then s.first[k] = t[k] end
+  t[k] = v
 end
 
+-- Writes every changed slot and counter: one BITFIELD per sub-filter touched (in pieces of
+-- 1500 sub-commands for a long batch: unpack() is capped below 8000 values), none when
+-- nothing changed. Bit offsets: the table at 1024 (HEADER_BYTES * 8); items at 256,
+-- deletes at 320, missed_deletes at 384 (ITEMS_AT, DELETES_AT, MISSED_AT times 8).
 local function flush()
+  local fmt = string.format
   for n = 0, L.nsub - 1 do
-    touch(n)
-    local args, ops = {'BITFIELD', KEYS[n + 1]}, 0
-    local ftype = 'u' .. sf_bits(n)
-    for i, _ in pairs(dirty[n]) do
-      for s = 1, L.b do
-        if cache[n][i][s] ~= orig[n][i][s] then
-          args[#args + 1] = 'SET'; args[#args + 1] = ftype
-          args[#args + 1] = slot_offset(n, i, s - 1); args[#args + 1] = cache[n][i][s]
-          orig[n][i][s] = cache[n][i][s]
-          ops = ops + 1
-          if ops >= MAX_OPS then
-            redis.call(unpack(args)); args = {'BITFIELD', KEYS[n + 1]}; ops = 0
+    local s = L.sf[n]
+    local counters = n == 0 and (L.removed > 0 or L.missed > 0)
+    if s or counters then
+      local args, ops = {'BITFIELD', KEYS[n + 1]}, 0
+      if s then
+        local ftype, f, t = s.ftype, s.f, s.t
+        for k, v0 in pairs(s.first) do
+          local v = t[k]
+          if v ~= v0 then
+            local a = ops * 4
+            args[a + 3], args[a + 4], args[a + 5], args[a + 6] =
+              'SET', ftype, fmt('%d', 1024 + k * f), fmt('%d', v)
+            ops = ops + 1
+            if ops >= 1500 then
+              redis.call(unpack(args)); args = {'BITFIELD', KEYS[n + 1]}; ops = 0
+            end
           end
         end
+        s.first = {}
+        if s.delta ~= 0 then
+          local a = #args
+          args[a + 1], args[a + 2], args[a + 3], args[a + 4] =
+            'INCRBY', 'i64', '256', fmt('%d', s.delta)
+          s.delta = 0
+          ops = ops + 1
+        end
       end
+      if L.removed > 0 and n == 0 then
+        local a = #args
+        args[a + 1], args[a + 2], args[a + 3], args[a + 4] =
+          'INCRBY', 'i64', '320', fmt('%d', L.removed)
+        L.removed = 0
+        ops = ops + 1
+      end
+      if L.missed > 0 and n == 0 then
+        local a = #args
+        args[a + 1], args[a + 2], args[a + 3], args[a + 4] =
+          'INCRBY', 'i64', '384', fmt('%d', L.missed)
+        L.missed = 0
+        ops = ops + 1
+      end
+      if ops > 0 then redis.call(unpack(args)) end
     end
-    dirty[n] = {}
-    if item_delta[n] ~= 0 then
-      args[#args + 1] = 'INCRBY'; args[#args + 1] = 'i64'; args[#args + 1] = ITEMS_AT * 8
-      args[#args + 1] = item_delta[n]
-      item_delta[n] = 0
-      ops = ops + 1
-    end
-    if ops > 0 then redis.call(unpack(args)) end
   end
 end
+
+-- What the scripts call last: every change written back.
+local finish = flush

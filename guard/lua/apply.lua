@@ -9,7 +9,8 @@
 -- script, so a change and its id are written together or not at all.
 -- Reply: {status, subfilters, applied (after the call), skipped, r1, r2, ...}, one r per
 --   change handled, the skipped ones first (1 for those; else 1 added or removed, 0 a delete
---   that found nothing, counted as a missed delete). status OK: all handled; GAP: the first
+--   that found nothing, counted as a missed delete). status OK: handled from the first on,
+--   all or as many as one call's work limit allowed (as insert.lua); GAP: the first
 --   change not skipped is not applied + 1 (nothing handled); FULL, NEEDKEYS: as insert.lua,
 --   stopping at that change. Or {SOURCE, subfilters, stored source}: the filter follows
 --   another change log. Or {STALE, layout...}.
@@ -24,12 +25,16 @@ local skip = math.min(count, math.max(0, applied - first + 1))
 if skip < count and first + skip ~= applied + 1 then
   return {GAP, L.nsub, applied, 0}
 end
+-- This call's work so far, and what the next item may add (_add.lua).
+local work, reserve = 0, math.min(L.kicks, RESERVE_MAX) + ITEM_WORK
 local reply, status = {OK, L.nsub, applied, skip}, OK
 for _ = 1, skip do reply[#reply + 1] = 1 end
 for k = 12 + 3 * skip, #ARGV, 3 do
+  if k > 12 + 3 * skip and work + reserve > KICK_BUDGET then break end
   local h, g = tonumber(ARGV[k + 1]), fixed_g(tonumber(ARGV[k + 2]))
-  local r, stopped
-  if ARGV[k] == 'i' then r, stopped = add(h, g, false) else r = remove(h, g) end
+  local r, steps, stopped = 0, 0, nil
+  if ARGV[k] == 'i' then r, steps, stopped = add(h, g, false) else r = remove(h, g) end
+  work = work + steps + ITEM_WORK
   if not r then
     status = stopped
     break

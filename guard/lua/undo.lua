@@ -18,7 +18,7 @@ local h, g = tonumber(ARGV[13]), fixed_g(tonumber(ARGV[14]))
 if ARGV[12] == 'i' then
   remove(h, g)
 else
-  local r, stopped = add(h, g, false)
+  local r, _, stopped = add(h, g, false)
   if not r then return {stopped, L.nsub, 0} end
 end
 set_watermark(id - 1, stored, source)
