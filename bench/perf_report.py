@@ -98,7 +98,8 @@ def cost_checks(rows: list[perf.Cost]) -> list[Check]:
         ),
         (
             "insert_90_vs_cf_add",
-            "insert at 90 % load, server us per call",
+            "insert at 90 % load, server us per call"
+            + (" (main-thread CPU)" if "cf_add_90" in by else ""),
             insert_90,
             "CF.ADD 90%",
             perf.T_INSERT90_VS_ADD,
