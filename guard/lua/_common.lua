@@ -38,6 +38,7 @@ local OK, STALE, FULL, NEEDKEYS, GAP, SOURCE = 0, 1, 2, 3, 4, 5
 -- The caller's layout, and the per-call state the functions share (_store.lua), all made in
 -- one constructor (a field added later makes Lua grow the table). top: g below it has its
 -- top f0 bits all zero (fixed_g); drop.lua and reserve.lua carry no layout.
+local tonumber = tonumber  -- one global lookup, not ten
 local f0 = tonumber(ARGV[2])
 local L = {
   b = tonumber(ARGV[1]), f0 = f0, fstep = tonumber(ARGV[3]),
@@ -211,7 +212,7 @@ end
 -- sub-filter 0's header. Anything else (stale, missing, damaged) goes to full_check.
 local function check_layout(base)
   base = base or 0
-  local b, nsub, byte = L.b, L.nsub, string.byte
+  local b, nsub, byte, fmt = L.b, L.nsub, string.byte, string.format
   -- L itself within the ranges, so that a stored field equal to it is in range too.
   if not (b == 1 or b == 2 or b == 4 or b == 8) or L.f0 < 4 or L.f0 > 32 or L.fstep > 1
     or L.exp > 16 or nsub < 1 or nsub > 32 or L.kicks > 4000 or L.m0 < 1
@@ -262,7 +263,7 @@ local function check_layout(base)
     local i1, i2, i3, i4, i5, i6, i7, i8 = byte(h, 33, 40)  -- items <= the slot count
     -- The tag (expected_tag): count or 128 + n, the 48-bit digest, TRAILER; and no 9th byte.
     local t1, t2, t3, t4, t5, t6, t7, t8, t9 = byte(redis.call('GETRANGE', key,
-      string.format('%d', bytes - 8), string.format('%d', bytes)), 1, 9)
+      fmt('%d', bytes - 8), fmt('%d', bytes)), 1, 9)
     if ((((((i1 * 256 + i2) * 256 + i3) * 256 + i4) * 256 + i5) * 256 + i6) * 256 + i7) * 256
       + i8 > m * b
       or t9 ~= nil or t8 ~= 165 or t1 ~= (n == 0 and nsub or 128 + n)

@@ -31,12 +31,11 @@ end
 -- (the table starts at byte 128, HEADER_BYTES; offsets go as strings: Redis would format a
 -- Lua number with %.17g).
 local function load(s, i)
-  local b, f, t, byte = s.b, s.f, s.t, string.byte
+  local b, f, t, byte, fmt = s.b, s.f, s.t, string.byte, string.format
   local k0 = i * b
   if f == 16 then
     local at = 128 + k0 * 2
-    local raw = redis.call('GETRANGE', s.key, string.format('%d', at),
-      string.format('%d', at + 2 * b - 1))
+    local raw = redis.call('GETRANGE', s.key, fmt('%d', at), fmt('%d', at + 2 * b - 1))
     if b == 4 then
       local a1, a2, a3, a4, a5, a6, a7, a8 = byte(raw, 1, 8)
       t[k0], t[k0 + 1], t[k0 + 2], t[k0 + 3] = a1 * 256 + a2, a3 * 256 + a4, a5 * 256 + a6,
@@ -51,8 +50,8 @@ local function load(s, i)
     local floor = math.floor
     local start = k0 * f
     local q0 = floor(start / 8)
-    local raw = redis.call('GETRANGE', s.key, string.format('%d', 128 + q0),
-      string.format('%d', 128 + floor((start + b * f - 1) / 8)))
+    local raw = redis.call('GETRANGE', s.key, fmt('%d', 128 + q0),
+      fmt('%d', 128 + floor((start + b * f - 1) / 8)))
     local c = {byte(raw, 1, -1)}
     local lead = start - 8 * q0
     for j = 0, b - 1 do
