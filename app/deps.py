@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import redis.asyncio as aioredis
@@ -151,12 +152,17 @@ async def get_admin_filter(cf: WritableFilterDep, request: Request) -> CuckooFil
 AdminFilterDep = Annotated[CuckooFilter, Depends(get_admin_filter)]
 
 
-def check_api_key(request: Request, settings: Settings) -> None:
-    """401 unless the request carries `Authorization: Bearer <GUARD_API_KEY>`."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+def api_key_ok(headers: Mapping[str, str], settings: Settings) -> bool:
+    """Whether ``headers`` carry `Authorization: Bearer <GUARD_API_KEY>`."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     expected = settings.api_key.get_secret_value().encode()
     # compare_digest on bytes: constant time, and no crash on non-ASCII input.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected)
+
+
+def check_api_key(request: Request, settings: Settings) -> None:
+    """401 unless the request carries `Authorization: Bearer <GUARD_API_KEY>`."""
+    if not api_key_ok(request.headers, settings):
         raise HTTPException(
             status_code=401,
             detail="missing or invalid API key",

@@ -30,11 +30,13 @@ import redis
 import redis.asyncio as aioredis
 
 from bench import core, perf_http
+from bench.minimal import MinimalLookup, agrees
 from bench.perf_apps import coalesce_switch
 from bench.suite import Target
 from devkit.processes import HttpProcess
-from guard import CuckooFilter, SyncCuckooFilter
+from guard import CuckooFilter, FilterParams, SyncCuckooFilter
 from guard.hashing import item_hash
+from guard.layout import pack_header
 from guard.packing import use_hiredis_packing
 
 # The issue's reference figures, measured on this machine (Redis 7.0.15, loopback, 2 cores).
@@ -55,7 +57,9 @@ T_MLOOKUP_VS_MEXISTS = 3.0
 T_INSERT90_VS_ADD = 5.0
 T_LOOKUP_MANY_VS_MEXISTS = 0.5
 T_PIPELINED_VS_GET = 0.8
-T_BLOCKED_VS_GET = 1.5
+T_LOOKUP_VS_MINIMAL = 0.8  # a minimal client sending the same BITFIELD_RO (bench/minimal.py)
+T_BLOCKED_VS_GET = 3.0
+T_ITEM_VS_CF = 1.2  # a FastAPI route doing CF.EXISTS (a GET when RedisBloom is absent)
 T_ITEM_VS_GET = 1.0
 T_BATCHING_GAIN = 1.3
 T_ATTACK_FP = 1.5
@@ -83,31 +87,22 @@ QUICK = PerfScale(2**13, 500, 1, 2_000, 1, 1, 5_000, 2**11, 20_000, (10**4, 10**
 # -- pipelining the library's own operations ----------------------------------------------------
 
 
-def run_pipelined(cf: SyncCuckooFilter, ops: list[tuple[str, Any]], depth: int = 100) -> list[Any]:
-    """Run single-item library operations through the library's pipeline, `depth` at a time.
-
-    Each op is (method, argument) of the filter's own API (guard/facade.py): the commands and
-    the decoding of replies are the library's; `cf.pipeline()` only shares the round trips.
-    """
+def run_pipelined(
+    cf: SyncCuckooFilter, method: str, items: list[str], depth: int = 100
+) -> list[Any]:
+    """``method`` (a single-item operation of the filter's own API, guard/facade.py) of each
+    item, through the library's pipeline, ``depth`` at a time: the commands and the decoding
+    of replies are the library's; ``cf.pipeline()`` only shares the round trips. The items
+    are taken as they are, as the minimal client takes them (a list of (method, item) pairs
+    made in the timed window would charge the library for the bench's own allocations)."""
     results: list[Any] = []
-    for a in range(0, len(ops), depth):
+    for a in range(0, len(items), depth):
         pipe = cf.pipeline()
-        for method, arg in ops[a : a + depth]:
-            getattr(pipe, method)(arg)
+        queue = getattr(pipe, method)
+        for item in items[a : a + depth]:
+            queue(item)
         results += pipe.execute()
     return results
-
-
-def lookup_ops(cf: SyncCuckooFilter, items: list[str]) -> list[tuple[str, Any]]:
-    return [("lookup", x) for x in items]
-
-
-def insert_ops(cf: SyncCuckooFilter, items: list[str]) -> list[tuple[str, Any]]:
-    return [("insert", x) for x in items]
-
-
-def delete_ops(cf: SyncCuckooFilter, items: list[str]) -> list[tuple[str, Any]]:
-    return [("delete", x) for x in items]
 
 
 # -- 1. server cost per operation ---------------------------------------------------------------
@@ -122,8 +117,10 @@ class Cost:
     calls: int
     items: int
     usec: int  # commandstats usec delta of `command`
-    cpu_seconds: float  # INFO cpu (user + sys) delta over the window
+    cpu_seconds: float  # INFO cpu delta over the window: the main thread's (user + sys)
     load: str
+    table_load: float | None = None  # the filter's load when the window began
+    subfilters: int | None = None  # the filter's sub-filters when the window ended
 
     @property
     def usec_per_call(self) -> float:
@@ -139,7 +136,15 @@ class Cost:
 
 
 def server_cpu(r: redis.Redis) -> float:
+    """CPU seconds of the server's main thread (Redis 7), else of the whole process.
+
+    Commands run on the main thread; commandstats times them by the wall clock, which counts
+    time the server was descheduled on this shared machine (a long script can lose a tick to
+    another process and be charged for it), where the thread's own CPU time does not.
+    """
     info = r.info("cpu")
+    if "used_cpu_user_main_thread" in info:
+        return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
@@ -151,18 +156,111 @@ def cost_window(
     command: str,
     items: int,
     work: Callable[[], object],
+    table: Callable[[], tuple[float, int]] | None = None,
 ) -> Cost:
+    """One timed window; ``table()`` says the filter's (load, sub-filters), read outside it."""
     load = f"{os.getloadavg()[0]:.2f}"
+    table_load = table()[0] if table is not None else None
     before, cpu0 = core.commandstats(r), server_cpu(r)
     work()
     cpu1, after = server_cpu(r), core.commandstats(r)
     calls = after.get(command, (0, 0))[0] - before.get(command, (0, 0))[0]
     usec = after.get(command, (0, 0))[1] - before.get(command, (0, 0))[1]
-    return Cost(key, name, group, command, calls, items, usec, cpu1 - cpu0, load)
+    subfilters = table()[1] if table is not None else None
+    return Cost(
+        key, name, group, command, calls, items, usec, cpu1 - cpu0, load, table_load, subfilters
+    )
 
 
 def median_cost(costs: list[Cost]) -> Cost:
     return sorted(costs, key=lambda c: c.usec_per_item)[len(costs) // 2]
+
+
+def reserve_exact(cf: SyncCuckooFilter, slots: int, b: int = 4, seed: int | None = None) -> None:
+    """A fixed-size filter of exactly ``slots`` slots (a power of two), as RedisBloom makes.
+
+    ``reserve()`` sizes a table to fill its allocator size class, which is never a power of
+    two of buckets; RedisBloom's always is. So that both filters hold the same slots, the bench
+    makes ours that size through the creation operation ``reserve()`` itself ends in.
+    """
+    params = FilterParams(
+        capacity=slots,
+        fingerprint_bits=core.FP_BITS,
+        bucket_size=b,
+        max_kicks=core.MAX_KICKS,
+        expansion=0,
+        seed=seed,
+    )
+    made = replace(params.layout(), buckets0=slots // b)
+    cf._run(cf._create_op(made, pack_header(made, slots, None)))
+
+
+def filter_table(cf: SyncCuckooFilter) -> Callable[[], tuple[float, int]]:
+    def read() -> tuple[float, int]:
+        info = cf.info()
+        return info.load_factor, info.subfilters
+
+    return read
+
+
+class RedisBloomFilter:
+    """A CF.* filter the same shape as the bench's own: the same slots, bucket size 4, as
+    many kicks (MAXITERATIONS), fixed size (EXPANSION 0: a failed add is an error, never a
+    second sub-filter; ``table()`` reads CF.INFO to show it), filled with the same keys."""
+
+    def __init__(self, r: redis.Redis, key: str, slots: int, b: int = 4) -> None:
+        self.r, self.key, self.slots = r, key, slots
+        r.execute_command(
+            "CF.RESERVE", key, slots, "BUCKETSIZE", b, "MAXITERATIONS", core.MAX_KICKS,
+            "EXPANSION", 0,
+        )  # fmt: skip
+        info = self.info()
+        if info[b"Number of buckets"] * b != slots:
+            raise RuntimeError(f"CF.RESERVE made {info[b'Number of buckets']} buckets of {b}")
+
+    def info(self) -> dict[bytes, int]:
+        reply = self.r.execute_command("CF.INFO", self.key)
+        if isinstance(reply, dict):
+            return {k if isinstance(k, bytes) else str(k).encode(): v for k, v in reply.items()}
+        return dict(zip(reply[::2], reply[1::2], strict=True))
+
+    def table(self) -> tuple[float, int]:
+        info = self.info()
+        items = info[b"Number of items inserted"]
+        return items / self.slots, int(info[b"Number of filters"])
+
+    def fill_to(self, tag: str, start: int, stop: int) -> None:
+        core.pipelined(
+            self.r, stop - start, 1000,
+            lambda p, i: p.execute_command("CF.ADD", self.key, f"{tag}:{start + i}"),
+        )  # fmt: skip
+
+    def add(self, items: list[str], depth: int) -> None:
+        core.pipelined(
+            self.r, len(items), depth, lambda p, i: p.execute_command("CF.ADD", self.key, items[i])
+        )
+
+    def insert(self, items: list[str], batch: int) -> None:
+        for a in range(0, len(items), batch):
+            part = items[a : a + batch]
+            self.r.execute_command("CF.INSERT", self.key, "NOCREATE", "ITEMS", *part)
+
+    def delete(self, items: list[str], depth: int) -> None:
+        core.pipelined(
+            self.r, len(items), depth, lambda p, i: p.execute_command("CF.DEL", self.key, items[i])
+        )
+
+    def exists(self, items: list[str], depth: int) -> None:
+        core.pipelined(
+            self.r, len(items), depth,
+            lambda p, i: p.execute_command("CF.EXISTS", self.key, items[i]),
+        )  # fmt: skip
+
+    def mexists(self, items: list[str], batch: int) -> list[Any]:
+        return [
+            self.r.execute_command("CF.MEXISTS", self.key, *items[a : a + batch])
+            for a in range(0, len(items), batch)
+        ]
 
 
 def measure_server_cost(target: Target, s: PerfScale) -> list[Cost]:
@@ -172,14 +270,21 @@ def measure_server_cost(target: Target, s: PerfScale) -> list[Cost]:
     r.set(get_key, b"x" * 16)
     one_sha = r.script_load("return 1")
     cf = target.filter("cost")
-    info = core.reserve_fixed(cf, core.capacity_for_slots(s.cost_slots, b), b, seed=11)
-    slots = info.buckets * b
+    slots = s.cost_slots
+    reserve_exact(cf, slots, b, seed=11)
     core.fill_to(cf, "in", 0, slots // 2)
+    table = filter_table(cf)
+    rb = RedisBloomFilter(r, f"{target.prefix}rb-cost", slots) if target.redisbloom else None
+    if rb is not None:
+        rb.fill_to("in", 0, slots // 2)
     absent = core.keys("absent", 0, n)
     absent_many = core.keys("absent-m", 0, max(batch, n * 5 // batch * batch))
 
-    def reads() -> list[tuple[str, str, str, str, int, Callable[[], object]]]:
-        return [
+    Table = Callable[[], tuple[float, int]] | None
+    Window = tuple[str, str, str, str, int, Callable[[], object], Table]
+
+    def reads() -> list[Window]:
+        out: list[Window] = [
             (
                 "get",
                 "GET",
@@ -187,6 +292,7 @@ def measure_server_cost(target: Target, s: PerfScale) -> list[Cost]:
                 "get",
                 n,
                 lambda: core.pipelined(r, n, depth, lambda p, _i: p.get(get_key)),
+                None,
             ),
             (
                 "evalsha",
@@ -195,18 +301,20 @@ def measure_server_cost(target: Target, s: PerfScale) -> list[Cost]:
                 "evalsha",
                 n,
                 lambda: core.pipelined(r, n, depth, lambda p, _i: p.evalsha(one_sha, 0)),
+                None,
             ),
             (
                 "lookup",
-                "lookup (1 BITFIELD_RO per item)",
+                "lookup (1 BITFIELD_RO per item) at 50 % load",
                 "single",
                 "bitfield_ro",
                 n,
-                lambda: run_pipelined(cf, lookup_ops(cf, absent), depth),
+                lambda: run_pipelined(cf, "lookup", absent, depth),
+                table,
             ),
             (
                 "lookup_many",
-                f"lookup_many, batches of {batch}",
+                f"lookup_many at 50 % load, batches of {batch}",
                 "batched",
                 "bitfield_ro",
                 len(absent_many),
@@ -214,17 +322,38 @@ def measure_server_cost(target: Target, s: PerfScale) -> list[Cost]:
                     cf.lookup_many(absent_many[a : a + batch])
                     for a in range(0, len(absent_many), batch)
                 ],
+                table,
             ),
         ]
+        if rb is not None:
+            out += [
+                (
+                    "cf_exists",
+                    "CF.EXISTS at 50 % load",
+                    "single",
+                    "cf.exists",
+                    n,
+                    lambda: rb.exists(absent, depth),
+                    rb.table,
+                ),
+                (
+                    "cf_mexists",
+                    f"CF.MEXISTS at 50 % load, batches of {batch}",
+                    "batched",
+                    "cf.mexists",
+                    len(absent_many),
+                    lambda: rb.mexists(absent_many, batch),
+                    rb.table,
+                ),
+            ]
+        return out
 
     rows: list[Cost] = []
     cases = reads()
-    for *_, work in cases:
-        work()  # warm-up
+    for case in cases:
+        case[5]()  # warm-up
     rounds = [[cost_window(r, *c) for c in cases] for _ in range(s.repeats)]
     rows += [median_cost([rnd[k] for rnd in rounds]) for k in range(len(cases))]
-    if target.redisbloom:
-        rows += measure_redisbloom_cost(target, slots, absent, absent_many, depth, batch)
 
     # Each window adds about 1 % load, and the deletes take it out again.
     m = max(100, slots // 100)
@@ -240,7 +369,8 @@ def measure_server_cost(target: Target, s: PerfScale) -> list[Cost]:
                 "single",
                 "evalsha",
                 m,
-                lambda: run_pipelined(cf, insert_ops(cf, single), depth),
+                lambda: run_pipelined(cf, "insert", single, depth),
+                table,
             ),
             cost_window(
                 r,
@@ -250,6 +380,7 @@ def measure_server_cost(target: Target, s: PerfScale) -> list[Cost]:
                 "evalsha",
                 len(many),
                 lambda: [cf.insert_many(many[a : a + batch]) for a in range(0, len(many), batch)],
+                table,
             ),
             cost_window(
                 r,
@@ -258,7 +389,8 @@ def measure_server_cost(target: Target, s: PerfScale) -> list[Cost]:
                 "single",
                 "evalsha",
                 m,
-                lambda: run_pipelined(cf, delete_ops(cf, single), depth),
+                lambda: run_pipelined(cf, "delete", single, depth),
+                table,
             ),
             cost_window(
                 r,
@@ -268,79 +400,77 @@ def measure_server_cost(target: Target, s: PerfScale) -> list[Cost]:
                 "evalsha",
                 len(many),
                 lambda: [cf.delete_many(many[a : a + batch]) for a in range(0, len(many), batch)],
+                table,
             ),
         ]
+        if rb is not None:
+            out += redisbloom_mutations(r, rb, load, single, many, depth, batch)
         return out
 
     rows += mutations(50, slots // 2)
     core.fill_to(cf, "in90", 0, int(0.9 * slots) - cf.info().items)
+    if rb is not None:
+        rb.fill_to("in90", 0, int(0.9 * slots) - round(rb.table()[0] * slots))
     rows += mutations(90, 10 * slots)
     cf.drop()
     r.delete(get_key)
+    if rb is not None:
+        r.delete(rb.key)
     return rows
 
 
-def measure_redisbloom_cost(
-    target: Target, slots: int, absent: list[str], many: list[str], depth: int, batch: int
+def redisbloom_mutations(
+    r: redis.Redis,
+    rb: RedisBloomFilter,
+    load: int,
+    single: list[str],
+    many: list[str],
+    depth: int,
+    batch: int,
 ) -> list[Cost]:
-    """CF.* on the same server, when the module is loaded (not exercised on this machine)."""
-    r, key, n = target.r, f"{target.prefix}rb-cost", len(absent)
-    r.execute_command("CF.RESERVE", key, slots // 2, "BUCKETSIZE", 2, "EXPANSION", 1)
-    core.pipelined(r, slots // 4, 1000, lambda p, i: p.execute_command("CF.ADD", key, f"in:{i}"))
-    rows = [
+    """CF.* doing what the library's mutation windows do, with the same keys at the same load."""
+    return [
         cost_window(
             r,
-            "cf_exists",
-            "CF.EXISTS",
-            "single",
-            "cf.exists",
-            n,
-            lambda: core.pipelined(
-                r, n, depth, lambda p, i: p.execute_command("CF.EXISTS", key, absent[i])
-            ),
-        ),
-        cost_window(
-            r,
-            "cf_mexists",
-            f"CF.MEXISTS, batches of {batch}",
-            "batched",
-            "cf.mexists",
-            len(many),
-            lambda: [
-                r.execute_command("CF.MEXISTS", key, *many[a : a + batch])
-                for a in range(0, len(many), batch)
-            ],
-        ),
-        cost_window(
-            r,
-            "cf_add_50",
-            "CF.ADD at 50 % load",
+            f"cf_add_{load}",
+            f"CF.ADD at {load} % load",
             "single",
             "cf.add",
-            n,
-            lambda: core.pipelined(
-                r, n, depth, lambda p, i: p.execute_command("CF.ADD", key, f"add50:{i}")
-            ),
+            len(single),
+            lambda: rb.add(single, depth),
+            rb.table,
+        ),
+        cost_window(
+            r,
+            f"cf_insert_{load}",
+            f"CF.INSERT at {load} % load, batches of {batch}",
+            "batched",
+            "cf.insert",
+            len(many),
+            lambda: rb.insert(many, batch),
+            rb.table,
+        ),
+        cost_window(
+            r,
+            f"cf_del_{load}",
+            f"CF.DEL at {load} % load",
+            "single",
+            "cf.del",
+            len(single),
+            lambda: rb.delete(single, depth),
+            rb.table,
+        ),
+        cost_window(
+            r,
+            f"cf_del_many_{load}",
+            f"CF.DEL at {load} % load, pipelines of {batch} (no batched delete)",
+            "batched",
+            "cf.del",
+            len(many),
+            lambda: rb.delete(many, batch),
+            rb.table,
         ),
     ]
-    core.pipelined(
-        r, int(0.4 * slots), 1000, lambda p, i: p.execute_command("CF.ADD", key, f"fill:{i}")
-    )
-    rows.append(
-        cost_window(
-            r,
-            "cf_add_90",
-            "CF.ADD at 90 % load",
-            "single",
-            "cf.add",
-            n,
-            lambda: core.pipelined(
-                r, n, depth, lambda p, i: p.execute_command("CF.ADD", key, f"add90:{i}")
-            ),
-        )
-    )
-    r.delete(key)
-    return rows
 
 
 # -- 2. library throughput from one Python process ------------------------------------------------
@@ -352,9 +482,18 @@ def measure_throughput(target: Target, s: PerfScale) -> list[core.Throughput]:
     get_key = f"{target.prefix}tget"
     r.set(get_key, b"x" * 16)
     cf = target.filter("tput")
-    info = core.reserve_fixed(cf, core.capacity_for_slots(s.cost_slots, b), b)
-    core.fill_to(cf, "in", 0, info.buckets * b // 2)
+    seed, slots = 7, s.cost_slots
+    reserve_exact(cf, slots, b, seed=seed)
+    core.fill_to(cf, "in", 0, slots // 2)
+    rb = RedisBloomFilter(r, f"{target.prefix}rb-tput", slots) if target.redisbloom else None
+    if rb is not None:
+        rb.fill_to("in", 0, slots // 2)  # the same keys, the same load
     absent = core.keys("absent", 0, n)
+    # What the library's single lookup costs beyond its command: a client sending the same
+    # BITFIELD_RO with nothing around it, checked to answer as the library does.
+    minimal = MinimalLookup(r, cf.key(), seed)
+    mixed = core.keys("in", 0, 500) + absent[:500]
+    agrees(r, minimal, mixed, cf.lookup_many(mixed))
     loop = asyncio.new_event_loop()
     # Packed by hiredis, as the service's client is (guard/packing.py): GET and lookups alike.
     ar = use_hiredis_packing(aioredis.Redis.from_url(target.url))
@@ -395,10 +534,24 @@ def measure_throughput(target: Target, s: PerfScale) -> list[core.Throughput]:
             {},
         ),
         core.Case(
+            "minimal_sync",
+            f"minimal client, the same BITFIELD_RO, pipelines of {depth} (sync)",
+            n,
+            lambda: minimal.pipelined(r, absent, depth),
+            {},
+        ),
+        core.Case(
+            "minimal_asyncio",
+            "minimal client, the same BITFIELD_RO, 100 in flight (asyncio)",
+            n,
+            lambda: loop.run_until_complete(minimal.concurrent(ar, absent)),
+            {},
+        ),
+        core.Case(
             "lookup_pipelined",
             f"single lookups, pipelines of {depth} (sync, library ops pipelined)",
             n,
-            lambda: run_pipelined(cf, lookup_ops(cf, absent), depth),
+            lambda: run_pipelined(cf, "lookup", absent, depth),
             {},
         ),
     ]
@@ -427,18 +580,14 @@ def measure_throughput(target: Target, s: PerfScale) -> list[core.Throughput]:
                 {},
             )
         )
-    if target.redisbloom:
-        key = f"{target.prefix}rb-tput"
-        r.execute_command("CF.RESERVE", key, info.buckets * 2, "BUCKETSIZE", 2)
+    if rb is not None:
+        many = core.keys("absent-m", 0, max(100, n * 5 // 100 * 100))
         cases.append(
             core.Case(
                 "cf_mexists_100",
                 "CF.MEXISTS, batches of 100",
-                n * 5,
-                lambda: [
-                    r.execute_command("CF.MEXISTS", key, *absent[a % n : a % n + 100])
-                    for a in range(0, n * 5, 100)
-                ],
+                len(many),
+                lambda: rb.mexists(many, 100),
                 {},
             )
         )
@@ -447,9 +596,7 @@ def measure_throughput(target: Target, s: PerfScale) -> list[core.Throughput]:
                 "cf_exists",
                 f"CF.EXISTS, pipelines of {depth}",
                 n,
-                lambda: core.pipelined(
-                    r, n, depth, lambda p, i: p.execute_command("CF.EXISTS", key, absent[i])
-                ),
+                lambda: rb.exists(absent, depth),
                 {},
             )
         )
@@ -461,8 +608,8 @@ def measure_throughput(target: Target, s: PerfScale) -> list[core.Throughput]:
         loop.close()
         cf.drop()
         r.delete(get_key)
-        if target.redisbloom:
-            r.delete(f"{target.prefix}rb-tput")
+        if rb is not None:
+            r.delete(rb.key)
     # mmh3 hashing alone, for the record (the issue's reference: ~10M/s).
     t0 = time.perf_counter()
     for x in absent:
@@ -911,7 +1058,7 @@ def measure_scaling(target: Target, s: PerfScale) -> list[ScaleRow]:
             def lookups(work: Callable[[], object]) -> Cost:
                 return cost_window(target.r, "", "", "", "bitfield_ro", len(probes), work)
 
-            single = lookups(lambda cf=cf: run_pipelined(cf, lookup_ops(cf, probes)))
+            single = lookups(lambda cf=cf: run_pipelined(cf, "lookup", probes))
             batched = lookups(lambda cf=cf: cf.lookup_many(probes))
             lat = []
             for x in probes[:1000]:

@@ -122,10 +122,11 @@ def redisbloom_loaded(r: redis.Redis) -> bool:
 
 
 @contextmanager
-def open_target(url: str | None, suite: str) -> Iterator[Target]:
-    """The server at ``url``, or (None) a private redis-server stopped at the end. Keys go
-    under ``bench:<suite>:<pid>-<random>:`` and are deleted at the end; nothing is flushed."""
-    with given_or_private_redis(url) as (url, private):
+def open_target(url: str | None, suite: str, *server_args: str) -> Iterator[Target]:
+    """The server at ``url``, or (None) a private redis-server started with ``server_args``
+    and stopped at the end. Keys go under ``bench:<suite>:<pid>-<random>:`` and are deleted
+    at the end; nothing is flushed."""
+    with given_or_private_redis(url, *server_args) as (url, private):
         r: redis.Redis = connect(url)
         prefix = f"bench:{suite}:{os.getpid()}-{secrets.token_hex(3)}:"
         env = environment(r, url)

@@ -84,10 +84,29 @@ def core_suite(a: argparse.Namespace) -> Iterator[Suite]:
         )
 
 
+def module_version(t: Any) -> str:
+    for module in t.r.module_list():
+        fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in module.items()}
+        if fields.get("name") in (b"bf", "bf"):
+            return str(fields.get("ver"))
+    return "?"
+
+
 @contextmanager
 def perf_suite(a: argparse.Namespace) -> Iterator[Suite]:
     s = perf.QUICK if a.quick else perf.FULL
-    with open_target(a.redis_url, "perf") as t:
+    module: list[str] = []
+    if a.redisbloom:
+        if a.redis_url:
+            raise SystemExit("--redisbloom starts the bench's own server: drop --redis-url")
+        if not os.path.isfile(a.redisbloom):
+            raise SystemExit(f"--redisbloom: no such file {a.redisbloom}")
+        module = ["--loadmodule", os.path.abspath(a.redisbloom)]
+    with open_target(a.redis_url, "perf", *module) as t:
+        if a.redisbloom and not t.redisbloom:
+            raise SystemExit(f"--redisbloom: {a.redisbloom} did not load as RedisBloom")
+        if a.redisbloom:
+            t.env["RedisBloom module"] = f"{module[1]} (MODULE LIST: bf {module_version(t)})"
         t.env["wrk"] = perf_http.wrk_path() or "not installed: HTTP section skipped"
         services: list[perf.Services] = []  # running while the HTTP sections are measured
 
@@ -215,6 +234,16 @@ SUITES: dict[str, Entry] = {
         "cost per request and per key: server, library, HTTP",
         perf_suite,
         report="docs/benchmarks.md",
+        options=(
+            (
+                "--redisbloom",
+                {
+                    "metavar": "PATH",
+                    "default": None,
+                    "help": "RedisBloom module (.so) for the private server: CF.* measured live",
+                },
+            ),
+        ),
     ),
     "cluster": Entry(
         "sharded filter on 1 vs 3 Redis Cluster masters",

@@ -148,13 +148,13 @@ def shared_or_private_redis(env_var: str, default: str) -> Iterator[str]:
 
 
 @contextmanager
-def given_or_private_redis(url: str | None) -> Iterator[tuple[str, bool]]:
-    """``(url, False)`` for a given URL; else ``(a private server's URL, True)``, stopped at
-    the end."""
+def given_or_private_redis(url: str | None, *extra: str) -> Iterator[tuple[str, bool]]:
+    """``(url, False)`` for a given URL; else ``(a private server's URL, True)``, started with
+    ``extra`` arguments (``--loadmodule PATH``, say) and stopped at the end."""
     if url is not None:
         yield url, False
         return
-    server = RedisProcess.start()
+    server = RedisProcess.start(*extra)
     try:
         yield server.url, True
     finally:

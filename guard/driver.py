@@ -114,15 +114,22 @@ def _batch(batch: Batch, name: str) -> Transport[dict[Any, Any]]:
     operations send at once (each probing the same handle) goes once."""
     same: dict[Any, Any] = {}  # a round's key -> the key of the identical read sent instead
     reads: dict[Hashable, Any] = {}
+    alone: list[Any] = []  # MULTIs, in the batch's order
+    shared: list[Any] = []
     for k, rnd in batch.items():
+        if not rnd.atomic:
+            shared.append(k)
+            continue
+        # Probes are MULTIs; a plain read (a lookup's) is not worth comparing.
         if all(isinstance(c, Command) or c.read_only for c in rnd.calls):
-            key = rnd.atomic, tuple(tuple(map(_frozen, c)) for c in rnd.calls)
+            key = tuple(tuple(map(_frozen, c)) for c in rnd.calls)
             if reads.setdefault(key, k) != k:
                 same[k] = reads[key]
-    keys = [k for k in batch if k not in same]
-    shared = [k for k in keys if not batch[k].atomic]
-    shared = shared if len(shared) > 1 else []
-    alone = [k for k in keys if k not in shared]
+                continue
+        alone.append(k)
+    if len(shared) == 1:  # one plain round goes by itself, where the batch has it
+        keys = [k for k in batch if k not in same]
+        alone, shared = keys, []
     parts = [_round(batch[k], name) for k in alone]
     if shared:
         parts.append(_sent([c for k in shared for c in batch[k].calls], False, name))
@@ -130,14 +137,18 @@ def _batch(batch: Batch, name: str) -> Transport[dict[Any, Any]]:
     answers = dict(zip(alone, done, strict=False))
     if shared:
         replies, start = done[-1], 0
+        failed = replies if isinstance(replies, Exception) else None
         for k in shared:
             count = len(batch[k].calls)
-            try:
-                if isinstance(replies, Exception):
-                    raise replies
-                answers[k] = _raise_first_error(replies[start : start + count], name)
-            except Exception as exc:
-                answers[k] = exc
+            if failed is not None:
+                answers[k] = failed
+            elif count == 1 and not isinstance(replies[start], Exception):
+                answers[k] = [replies[start]]  # a lookup's: nothing to look through
+            else:
+                try:
+                    answers[k] = _raise_first_error(replies[start : start + count], name)
+                except Exception as exc:
+                    answers[k] = exc
             start += count
     for k, sent in same.items():
         answer = answers[sent]

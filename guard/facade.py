@@ -53,6 +53,9 @@ class operation(Generic[P, T]):
         method = obj._bind(self.make)
         method.__name__ = self.name
         method.__doc__ = self.__doc__
+        # Kept on the object, as functools.cached_property does: the next access finds it
+        # there, and a loop of single calls pays for binding once.
+        obj.__dict__[self.name] = method
         return method
 
     def __call__(self, obj: Any, *args: P.args, **kwargs: P.kwargs) -> Any:
@@ -71,6 +74,7 @@ class Facade(Generic[InfoT]):
         def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[InfoT]: ...
         def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op[list[bool]]: ...
         def _lookup_op(self, data: list[bytes]) -> Op[list[bool]]: ...
+        def _lookup_one_op(self, item: str | bytes) -> Op[bool]: ...
         def _batch_op(self, script: str, items: Iterable[str | bytes]) -> Op[list[Any]]: ...
         def _info_op(self) -> Op[InfoT]: ...
         def _exists_op(self) -> Op[bool]: ...
@@ -144,7 +148,7 @@ class Facade(Generic[InfoT]):
     @operation
     def lookup(self, item: str | bytes) -> Op[bool]:
         """Whether ``item`` is probably present (False is certain)."""
-        return (yield from self._lookup_op([to_bytes(item)]))[0]
+        return self._lookup_one_op(item)
 
     @operation
     def lookup_many(self, items: Iterable[str | bytes]) -> Op[list[bool]]:
@@ -218,6 +222,8 @@ class AsyncHandle(AsyncRunner, Facade[InfoT]):
         return method
 
     async def _lookup_now(self, data: list[bytes]) -> list[bool]:
+        if len(data) == 1:  # a lone request's lookup: the single-item operation
+            return [await self._run(self._lookup_one_op(data[0]))]
         return await self._run(self._lookup_op(data))
 
     async def _lookup(self, items: Iterable[str | bytes]) -> list[bool]:
@@ -229,7 +235,9 @@ class AsyncHandle(AsyncRunner, Facade[InfoT]):
     # Lookups, unlike the other methods, go through the coalescer.
     async def lookup(self, item: str | bytes) -> bool:  # type: ignore[override]
         """Whether ``item`` is probably present (False is certain)."""
-        return (await self._lookup([item]))[0]
+        if self._coalescer is None:  # straight to the one-item operation
+            return await self._run(self._lookup_one_op(item))
+        return (await self._coalescer.lookup_many([to_bytes(item)]))[0]
 
     async def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:  # type: ignore[override]
         """``lookup`` of each item."""

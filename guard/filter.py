@@ -51,9 +51,10 @@ from guard.ops import (
     Round,
     forgets_on_damage,
     insert_chunk,
+    one_command,
 )
 from guard.params import APPLIED, SOURCE, FilterParams
-from guard.reads import ReadPlan, TagMismatch
+from guard.reads import ReadPlan, SingleRead, TagMismatch
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class FilterOps:
         self._base = base_key(prefix, name, _shard, _variant)
         self._layout = UNKNOWN_LAYOUT
         self._read_command = "BITFIELD_RO"
+        self._single: SingleRead | None = None  # the plan of one-item lookups, per layout
         self._read_scripts = True  # EVALSHA_RO for scripts that only read (Redis 7+)
 
     def key(self, n: int = 0) -> str:
@@ -214,17 +216,51 @@ class FilterOps:
             pending = retry
         raise GuardError(f"{self.name}: layout kept changing during {script}", filter=self.name)
 
+    def _lookup_one_op(self, item: str | bytes) -> Op[bool]:
+        """``lookup`` of one item, a web request's: when the handle knows a layout of one
+        sub-filter (nearly always), the general lookup's read planned inline, once per layout
+        (guard/reads.py: SingleRead), with no loop or plan around it. Anything else, and any
+        answer but a plain one, goes on as the general lookup would go on from there."""
+        item = to_bytes(item)  # here, not before: a bad item fails when the operation runs
+        layout = self._layout
+        if layout.subfilters != 1 or not layout.buckets0:
+            return (yield from self._lookup_op([item]))[0]
+        single = self._single
+        if single is None or single.layout is not layout:
+            single = self._single = SingleRead(layout)
+        args, fp = single.command(self._base, item)
+        used = self._read_command
+        try:
+            (reply,) = yield one_command(used, args)
+        except ResponseError as exc:
+            # fakeredis has no BITFIELD_RO; BITFIELD with only GETs reads the same.
+            if used == "BITFIELD_RO" and "bitfield_ro" in str(exc).lower():
+                self._read_command = "BITFIELD"
+                return (yield from self._lookup_op([item]))[0]
+            raise
+        except FilterCorruptError:  # forgets_on_damage's rule, without its extra generator
+            self._layout = UNKNOWN_LAYOUT
+            raise
+        if reply[0] == single.tag:
+            return single.holds(reply, fp)
+        # Stale, gone or damaged: the general lookup starts from the probe that says which.
+        return (yield from self._lookup_op([item], stale=True))[0]
+
     @forgets_on_damage
-    def _lookup_op(self, data: list[bytes]) -> Op:
+    def _lookup_op(self, data: list[bytes], stale: bool = False) -> Op:
         """Script-free: one read command per sub-filter and chunk (guard/reads.py).
 
         ``data`` is already bytes: the public methods (and a sharded filter's routing) convert
-        each item once, before any batching."""
+        each item once, before any batching. ``stale``: a read just found a tag other than
+        the handle's layout predicts, so the stored filter is probed first."""
         if not data:
             return []
         hashes: hashing.Hashes = []
         seed = None
         checked = None  # the layout the info script last vouched for
+        if stale:
+            yield from self._probe_op()
+            checked = self._layout
         for _ in range(MAX_RETRIES):
             layout = self._layout
             if not layout.buckets0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Generator, Hashable, Mapping
-from typing import Any, NamedTuple, TypeAlias, TypeVar
+from typing import Any, NamedTuple, TypeAlias, TypeVar, cast
 
 from guard import layout
 from guard.errors import FilterCorruptError
@@ -69,6 +69,15 @@ class Round(NamedTuple):
     atomic: bool = False
 
 
+_tuple_new = tuple.__new__
+
+
+def one_command(name: str, args: list[Any]) -> Round:
+    """``Round([Command(name, args)])``, made without NamedTuple's Python-level ``__new__``:
+    the two constructors cost a single lookup a quarter of its own Python time."""
+    return _tuple_new(Round, ([_tuple_new(Command, (name, args))], False))
+
+
 class Work(NamedTuple):
     """Work without Redis that an operation hands its runner: ``call()``, CPU-heavy (a bulk
     build's hashing and placement, guard/bulk.py) or reading the caller's input. A blocking
@@ -98,53 +107,58 @@ def lockstep(
     ``check(key)``, after each step of an operation, may stop it with an exception of its
     own (a sharded filter stops a shard whose routing went stale before anything is sent).
     """
+    # One loop, no helper per step: a pipeline of single lookups runs it once per item, and
+    # every Python call here is a share of what the library adds to each lookup.
     results: dict[K, Any] = {}
-    pending: dict[K, Round | Batch] = {}
-
-    def step(key: K, answer: Any, first: bool = False) -> None:
-        op = ops[key]
-        try:
-            if first:
-                request = next(op)
-            elif isinstance(answer, BaseException):
-                request = op.throw(answer)
-            else:
-                request = op.send(answer)
-        except StopIteration as done:
-            results[key] = done.value
-            return
-        except Exception as exc:
-            results[key] = exc
-            return
-        if isinstance(request, Work):
-            # A bulk build writes with plain commands, which a batch takes for reads (and
-            # sends once when several operations send the same): it runs by itself.
-            op.close()
-            results[key] = TypeError("bulk_load runs on its handle, not in a pipeline")
-            return
-        stop = check(key) if check is not None else None
-        if stop is not None:
-            op.close()
-            results[key] = stop
-            return
-        pending[key] = request
-
-    for key in ops:
-        step(key, None, first=True)
-    while pending:
+    answers: dict[K, Any] = dict.fromkeys(ops)  # None: not started (send(None) starts it)
+    while answers:
+        pending: dict[K, Round | Batch] = {}
+        batches = False  # whether some operation asks for a Batch, not a Round
+        for key, answer in answers.items():
+            op = ops[key]
+            try:
+                throw = isinstance(answer, BaseException)
+                request = op.throw(answer) if throw else op.send(answer)
+            except StopIteration as done:
+                results[key] = done.value
+                continue
+            except Exception as exc:
+                results[key] = exc
+                continue
+            if isinstance(request, Work):
+                # A bulk build writes with plain commands, which a batch takes for reads (and
+                # sends once when several operations send the same): it runs by itself.
+                op.close()
+                results[key] = TypeError("bulk_load runs on its handle, not in a pipeline")
+                continue
+            stop = check(key) if check is not None else None
+            if stop is not None:
+                op.close()
+                results[key] = stop
+                continue
+            pending[key] = request
+            batches = batches or isinstance(request, dict)
+        if not pending:
+            break
+        if not batches:
+            # Rounds only (a pipeline of single-item calls): they go by the operations' keys.
+            answers = yield cast("Batch", pending)
+            continue
+        # Batches too: (key,) for a round, (key, sub) for each round of a batch, so that
+        # no key of one can be taken for a key of another.
         batch: Batch = {}
         for key, request in pending.items():
             if isinstance(request, Round):
                 batch[(key,)] = request
             else:
                 batch.update(((key, sub), rnd) for sub, rnd in request.items())
-        answers = yield batch
-        current, pending = pending, {}
-        for key, request in current.items():
-            if isinstance(request, Round):
-                step(key, answers[(key,)])
-            else:
-                step(key, {sub: answers[(key, sub)] for sub in request})
+        replies = yield batch
+        answers = {
+            key: replies[(key,)]
+            if isinstance(request, Round)
+            else {sub: replies[(key, sub)] for sub in request}
+            for key, request in pending.items()
+        }
     return results
 
 

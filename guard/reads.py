@@ -27,12 +27,14 @@ from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 import numpy as np
+from mmh3 import hash128
 
 from guard import hashing
 from guard.layout import HEADER_BYTES, TAG_BYTES, Layout
 
 MAX_GETS = 2000
 _U64 = 1 << 64
+_H_MASK, _G_MASK, _mix = hashing.H_MASK, hashing.G_MASK, hashing.mix
 
 
 class TagMismatch(Exception):
@@ -136,6 +138,71 @@ def _per_subfilter(layout: Layout) -> tuple[_Subfilter, ...]:
             )
         )
     return tuple(out)
+
+
+class SingleRead:
+    """One item's lookup in a filter of one sub-filter, the most frequent read of all (a web
+    request's): the command ReadPlan makes for it, from arithmetic written out inline.
+
+    A handle keeps one per layout; ``command`` and ``holds`` are the only Python calls a
+    lookup makes beyond the driver's (ReadPlan's general planning costs a single item more
+    than Redis and the client library spend on it). The same arithmetic as guard/hashing.py,
+    inlined: the tests compare both plans' commands.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        if layout.subfilters != 1:
+            raise ValueError("a single read is for a filter of one sub-filter")
+        sub = _per_subfilter(layout)[0]
+        self.layout = layout
+        self.tag = sub.tag
+        self._reads = sub.reads
+        f = layout.fp_bits
+        # One read per bucket (b * f <= 64: b=4 with f=16, say): its type; else None.
+        reads = sub.reads._reads
+        kind = reads[0][1] if len(reads) == 1 else None
+        # Everything command() needs, unpacked in one step (attribute loads add up here).
+        self._consts = (
+            layout.seed,
+            sub.buckets,
+            1 << (32 - f),  # fix_g's bound
+            32 - f,
+            layout.bucket_size * f,
+            HEADER_BYTES * 8,
+            kind,
+            *sub.tag_read,
+        )
+        self._lanes = sub.reads.lanes[0] if kind is not None else None
+
+    def command(self, key: str, item: bytes) -> tuple[list[object], int]:
+        """The read command's arguments (after its name), and the item's fingerprint."""
+        seed, m, low, shift, bucket_bits, base, kind, get, tag_kind, tag_bit = self._consts
+        x = hash128(item, seed, signed=False)
+        g = (x >> 64) & _G_MASK
+        if g < low:
+            g += low
+        fp = g >> shift
+        i1 = (x & _H_MASK) % m
+        i2 = (_mix(fp) - i1) % m
+        at1 = base + i1 * bucket_bits
+        at2 = base + i2 * bucket_bits
+        if kind is not None:
+            return [key, get, tag_kind, tag_bit, "GET", kind, at1, "GET", kind, at2], fp
+        gets = self._reads.gets
+        return [key, get, tag_kind, tag_bit, *gets(at1), *gets(at2)], fp
+
+    def holds(self, reply: Sequence[int], fp: int) -> bool:
+        """Whether the reply's buckets hold ``fp``; its tag (``reply[0]``) is checked first by
+        the caller, against ``tag``."""
+        if self._lanes is None:
+            return self._reads.holds(reply[1:], fp)
+        lo, hi = self._lanes
+        want = fp * lo
+        x = (reply[1] % _U64) ^ want
+        if (x - lo) & ~x & hi:
+            return True
+        x = (reply[2] % _U64) ^ want
+        return bool((x - lo) & ~x & hi)
 
 
 class ReadPlan:

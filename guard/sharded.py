@@ -233,6 +233,9 @@ class ShardedOps:
     def _lookup_op(self, data: list[bytes]) -> Op[list[bool]]:
         return self._items_op(data, lambda h, d: h._lookup_op(d))
 
+    def _lookup_one_op(self, item: str | bytes) -> Op[bool]:
+        return (yield from self._lookup_op([to_bytes(item)]))[0]
+
     def _batch_op(self, script: str, items: Iterable[str | bytes]) -> Op[list[Any]]:
         return self._items_op(items, lambda h, d: h._batch_op(script, d))
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from guard import hashing
 from guard.hashing import VECTOR_MIN
 from guard.layout import Layout
-from guard.reads import ReadPlan
+from guard.reads import ReadPlan, SingleRead, TagMismatch
 
 
 def bits_of(read_type: str) -> int:
@@ -95,6 +96,32 @@ def test_numpy_and_python_plans_agree(layout: Layout, count: int, salt: int) -> 
     assert scalar.evaluate(replies) == expected
     assert vector.evaluate(replies) == expected
     assert 0 < sum(expected) <= count  # planted fingerprints are found
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts, st.integers(0, 2**32 - 1))
+def test_single_read_is_the_plans_read(layout: Layout, salt: int) -> None:
+    """A one-item lookup's inline plan sends ReadPlan's command and reads its reply alike."""
+    layout = Layout(layout.bucket_size, layout.fp_bits, layout.fp_step, layout.expansion, 1,
+                    layout.max_kicks, layout.buckets0, layout.seed)  # fmt: skip
+    single = SingleRead(layout)
+    rng = random.Random(salt)
+    for k in range(6):
+        item = f"{salt}-{k}".encode()
+        plan = ReadPlan(layout, [hashing.item_hash(item, layout.seed)], lambda n: f"key:{n}")
+        args, fp = single.command("key:0", item)
+        assert args == plan.commands[0].args
+        assert fp == plan.commands[0].fps[0]
+        replies = fake_replies(plan, rng)  # the item's fingerprint planted in a bucket
+        if k % 2:  # or not: random buckets, which hold it only by chance
+            replies[0][1:] = [rng.getrandbits(63) for _ in replies[0][1:]]
+        expected = decoded_answer(plan, replies)
+        assert replies[0][0] == single.tag
+        assert single.holds(replies[0], fp) == plan.evaluate(replies)[0] == expected[0]
+        replies[0][0] ^= 1  # another layout's tag: both refuse the reply
+        assert replies[0][0] != single.tag
+        with pytest.raises(TagMismatch):
+            plan.evaluate(replies)
 
 
 @given(st.lists(st.binary(max_size=40), max_size=30), st.integers(0, 2**32 - 1))

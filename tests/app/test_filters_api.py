@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from app.routes import filters
+from app.routes.filters import ItemLookupRoute
 from app.settings import Settings
 from guard import CuckooFilter
 from tests import colliding_items
@@ -203,6 +205,45 @@ MUTATIONS = [
     ("PUT", "/records/k", {"value": 1}),
     ("DELETE", "/records/k", None),
 ]
+
+
+class TestItemLookupLane:
+    """GET /filters/{name}/items/{item}: ordinary requests skip FastAPI's handling, the
+    others go through it; the answers are the route's either way."""
+
+    async def test_only_ordinary_lookups_skip_fastapi(self, start: StartService) -> None:
+        svc = await start(protect_reads=True)
+        await create(svc)
+        await svc.client.put("/filters/users/items/alice", headers=AUTH)
+        # Every app serves the route object of the module's router: put back after the test.
+        route = next(r for r in filters.router.routes if isinstance(r, ItemLookupRoute))
+        declared, through = route.declared, []
+
+        async def counted(scope: Any, receive: Any, send: Any) -> None:
+            through.append(scope["path"])
+            await declared(scope, receive, send)
+
+        route.declared = counted
+        try:
+            await self.lookups(svc, through)
+        finally:
+            route.declared = declared
+
+    async def lookups(self, svc: Service, through: list[str]) -> None:
+        get = svc.client.get
+        assert (await get("/filters/users/items/alice", headers=AUTH)).json() == {"exists": True}
+        assert (await get("/filters/users/items/bob", headers=AUTH)).json() == {"exists": False}
+        assert (await get("/filters/nope/items/a", headers=AUTH)).status_code == 404
+        assert through == []  # answered by the lane, a missing filter by the app's handler
+        assert (await get("/filters/users/items/alice")).status_code == 401
+        assert field_error(await get("/filters/-x/items/a", headers=AUTH), "path", "name")
+        long = "x" * (svc.settings.max_item_bytes + 1)
+        assert field_error(await get(f"/filters/users/items/{long}", headers=AUTH), "path", "item")
+        assert through == [
+            "/filters/users/items/alice",
+            "/filters/-x/items/a",
+            f"/filters/users/items/{long}",
+        ]
 
 
 class TestAuth:

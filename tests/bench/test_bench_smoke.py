@@ -76,7 +76,7 @@ class TestPerfQuick:
         assert "baseline: FastAPI + one Redis GET" in doc
         # The headline shows the checks it names, not the quoted or asyncio-handle ones.
         headline = table_rows(doc, "## README headline table")
-        assert len(headline) == 13, headline
+        assert len(headline) == 14, headline
         assert "lookup, server us per call" in headline
         assert "attack: database queries with the guard" in headline
         assert not [row for row in headline if "quoted" in row or "cf.lookup()" in row]
