@@ -23,8 +23,8 @@ from tests.app.dbs import Other
 
 # Fingerprints wide enough that two keys colliding in a test is out of the question, so
 # counts can be compared exactly; pages small enough that a rebuild reads several.
-EXACT = {"records_error_rate": 1e-6, "demo_records": 50, "rebuild_batch": 20}
-DEADLINE_S = 20.0  # how long a background follower may take before a test gives up
+EXACT = {"records_error_rate": 1e-6, "demo_records": 50, "rebuild_batch": 20, "redis_timeout": 5.0}
+DEADLINE_S = 60.0  # how long a background follower may take before a test gives up
 
 
 @pytest.fixture
