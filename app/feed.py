@@ -80,6 +80,10 @@ class FeedState:
     that found its own change already applied, cleared by a rebuild."""
 
     diverged: FilterDiverged | None = None
+    # Awaited with the filter's id whenever a replay starts from it, before it mends
+    # anything: the watchdog (app/watchdog.py) sees an id that went back (a filter restored
+    # from an older copy) that the replay would otherwise repair unnoticed.
+    observe: Callable[[int], Awaitable[None]] | None = None
 
 
 async def applied_of(cf: CuckooFilter) -> int:
@@ -97,6 +101,7 @@ async def replay(
     *,
     batch: int,
     upto: int | None = None,
+    observe: Callable[[int], Awaitable[None]] | None = None,
     after: int | None = None,
 ) -> int:
     """Apply the log's committed changes after ``cf``'s ``applied``, in batches, up to
@@ -107,8 +112,12 @@ async def replay(
     script skips what is done, and a gap (the filter moved, backwards or forwards) makes
     this read the log again from the filter's id. ``after``: where the filter stood a moment
     ago, read from the log without asking the filter first (a wrong guess costs a gap).
+    ``observe`` is awaited with the filter's id each time it is read from the filter (at the
+    start, or from a gap), before anything is applied after it.
     """
     applied = await applied_of(cf) if after is None else after
+    if observe is not None and after is None:
+        await observe(applied)
     rereads = 0
     while upto is None or applied < upto:
         limit = batch if upto is None else min(batch, upto - applied)
@@ -132,6 +141,8 @@ async def replay(
         except FilterNotFoundError:
             raise FilterMissing(cf.name) from None
         applied = result.applied
+        if result.gap and observe is not None:
+            await observe(applied)
         if upto is None and not result.gap and len(changes) < limit:
             return applied  # the end of the log as it was read
     return applied
@@ -186,7 +197,9 @@ class Follower:
         if self.state.diverged is not None:
             raise self.state.diverged
         source = await self.source()
-        self.applied = await replay(self.cf, self.db, source, batch=self.batch, after=after)
+        self.applied = await replay(
+            self.cf, self.db, source, batch=self.batch, observe=self.state.observe, after=after
+        )
         return self.applied
 
     async def compact(self) -> int:
