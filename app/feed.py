@@ -233,19 +233,19 @@ class Follower:
                 if time.monotonic() - last_compaction >= self.compact_every:
                     last_compaction = time.monotonic()
                     await self.compact()
+                _stop_if_cancelled()
+                if self.problem is not None:
+                    log.info("filter %s follows the change log again (at %d)", self.cf.name,
+                             applied)  # fmt: skip
+                    self.problem = None
+                woken = await self.db.wait_for_change(applied, IDLE_WAIT_S)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # the database or Redis away, the filter unfit: retried
                 _stop_if_cancelled()
                 woken = False
                 await self._failed(exc)
                 await asyncio.sleep(RETRY_S)
-                continue
-            _stop_if_cancelled()
-            if self.problem is not None:
-                log.info("filter %s follows the change log again (at %d)", self.cf.name, applied)
-                self.problem = None
-            woken = await self.db.wait_for_change(applied, IDLE_WAIT_S)
 
     async def _failed(self, exc: Exception) -> None:
         if repr(exc) != repr(self.problem):  # once per distinct failure, not every second
