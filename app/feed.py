@@ -197,9 +197,14 @@ class Follower:
         if self.state.diverged is not None:
             raise self.state.diverged
         source = await self.source()
-        self.applied = await replay(
-            self.cf, self.db, source, batch=self.batch, observe=self.state.observe, after=after
-        )
+        try:
+            self.applied = await replay(
+                self.cf, self.db, source, batch=self.batch, observe=self.state.observe,
+                after=after,
+            )  # fmt: skip
+        except OtherSource:
+            self._source = None  # read again next time: the log may have been re-installed
+            raise
         return self.applied
 
     async def compact(self) -> int:
