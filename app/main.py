@@ -172,6 +172,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if cfg.rebuild_on_startup and not await _rebuild_once(store):
                 task = asyncio.create_task(_rebuild_until_done(store))
                 stack.push_async_callback(_cancel, task)
+            # Rows written behind the service's back reach the filter (app/feed.py).
+            follower = store.follower() if cfg.feed else None
+            if follower is not None:
+                stack.push_async_callback(_cancel, asyncio.create_task(follower.run()))
             yield {
                 "redis": redis,
                 "admin_redis": clients.admin,
@@ -180,6 +184,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 ),
                 "db": db,
                 "records": store,
+                "follower": follower,
                 "idempotency": Idempotency(
                     redis, cfg.key_prefix, cfg.idempotency_ttl, cfg.idempotency_wait
                 ),
