@@ -17,8 +17,8 @@ from guard import (
     ops,
     scripts,
 )
-from guard.layout import MAX_STRING_BYTES, unpack_table
-from tests.reference import ReferenceFilter
+from guard.layout import MAX_STRING_BYTES
+from tests.reference import ReferenceFilter, unpack_table
 
 
 def items(n: int, tag: str = "k") -> list[str]:
