@@ -12,14 +12,14 @@ worker thread on asyncio): all that differs between the two flavours.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator, Hashable
+from collections.abc import Callable, Generator, Hashable, Sequence
 from functools import cached_property
 from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 from redis.exceptions import NoScriptError, ResponseError
 
 from guard import scripts
-from guard.ops import Batch, Call, Command, Op, Round, Work
+from guard.ops import Batch, Call, Command, Op, Reads, Round, Work
 
 T = TypeVar("T")
 
@@ -38,7 +38,7 @@ class Send(NamedTuple):
 class SendPipeline(NamedTuple):
     """Calls in one pipeline (a MULTI when ``atomic``); replies with errors in place."""
 
-    calls: list[Call | Command]
+    calls: Sequence[Call | Command | list[Any]]
     atomic: bool
 
 
@@ -89,8 +89,11 @@ def _round(rnd: Round, name: str) -> Transport[list[Any]]:
         raise scripts.map_error(exc, name) from exc
 
 
-def _sent(calls: list[Call | Command], atomic: bool, name: str) -> Transport[list[Any]]:
-    """``calls`` in one pipeline, each reply or error in its place."""
+def _sent(
+    calls: Sequence[Call | Command | list[Any]], atomic: bool, name: str
+) -> Transport[list[Any]]:
+    """``calls`` in one pipeline, each reply or error in its place (a list: a whole command,
+    see Reads)."""
     try:
         replies: list[Any] = yield SendPipeline(calls, atomic)
     except ResponseError as exc:
@@ -99,9 +102,10 @@ def _sent(calls: list[Call | Command], atomic: bool, name: str) -> Transport[lis
     # pipeline, which preloads nothing): those calls did nothing, so they alone are sent
     # again, as EVAL.
     for k, reply in enumerate(replies):
-        if isinstance(reply, NoScriptError):
+        call = calls[k]
+        if isinstance(reply, NoScriptError) and not isinstance(call, list):
             try:
-                replies[k] = yield Send(calls[k], as_eval=True)
+                replies[k] = yield Send(call, as_eval=True)
             except ResponseError as exc:
                 replies[k] = exc
     return replies
@@ -111,12 +115,19 @@ def _batch(batch: Batch, name: str) -> Transport[dict[Any, Any]]:
     """Every round of ``batch``: the plain ones share one pipeline (on a cluster, redis-py
     writes each node's share before reading any reply, so the nodes work in parallel); each
     MULTI goes alone, since a cluster cannot run one across slots. A read that several
-    operations send at once (each probing the same handle) goes once."""
+    operations send at once (each probing the same handle) goes once. A ``Reads`` joins the
+    shared pipeline, its commands answered one by one."""
     same: dict[Any, Any] = {}  # a round's key -> the key of the identical read sent instead
     reads: dict[Hashable, Any] = {}
     alone: list[Any] = []  # MULTIs, in the batch's order
     shared: list[Any] = []
+    many: dict[Any, Reads] = {}
+    rounds: dict[Any, Round] = {}
     for k, rnd in batch.items():
+        if isinstance(rnd, Reads):
+            many[k] = rnd
+            continue
+        rounds[k] = rnd
         if not rnd.atomic:
             shared.append(k)
             continue
@@ -127,19 +138,22 @@ def _batch(batch: Batch, name: str) -> Transport[dict[Any, Any]]:
                 same[k] = reads[key]
                 continue
         alone.append(k)
-    if len(shared) == 1:  # one plain round goes by itself, where the batch has it
-        keys = [k for k in batch if k not in same]
+    if len(shared) == 1 and not many:  # one plain round goes by itself, where the batch has it
+        keys = [k for k in rounds if k not in same]
         alone, shared = keys, []
-    parts = [_round(batch[k], name) for k in alone]
-    if shared:
-        parts.append(_sent([c for k in shared for c in batch[k].calls], False, name))
+    parts = [_round(rounds[k], name) for k in alone]
+    if shared or many:
+        calls: list[Call | Command | list[Any]] = [c for k in shared for c in rounds[k].calls]
+        for r in many.values():
+            calls += r.commands
+        parts.append(_sent(calls, False, name))
     done = yield Parallel(parts)
     answers = dict(zip(alone, done, strict=False))
-    if shared:
+    if shared or many:
         replies, start = done[-1], 0
         failed = replies if isinstance(replies, Exception) else None
         for k in shared:
-            count = len(batch[k].calls)
+            count = len(rounds[k].calls)
             if failed is not None:
                 answers[k] = failed
             elif count == 1 and not isinstance(replies[start], Exception):
@@ -150,6 +164,16 @@ def _batch(batch: Batch, name: str) -> Transport[dict[Any, Any]]:
                 except Exception as exc:
                     answers[k] = exc
             start += count
+        for k, r in many.items():
+            count = len(r.commands)
+            if failed is not None:
+                answers[k] = failed
+            else:  # each error as a Round of its own would have raised it
+                answers[k] = [
+                    _error(r, name) if isinstance(r, Exception) else r
+                    for r in replies[start : start + count]
+                ]
+            start += count
     for k, sent in same.items():
         answer = answers[sent]
         answers[k] = answer if isinstance(answer, Exception) else list(answer)
@@ -158,6 +182,16 @@ def _batch(batch: Batch, name: str) -> Transport[dict[Any, Any]]:
 
 def _frozen(field: Any) -> Hashable:
     return tuple(field) if isinstance(field, list) else field
+
+
+def _error(reply: Exception, name: str) -> Exception:
+    """The exception a round of one command raises for its error ``reply``: the same as
+    ``_raise_first_error([reply], name)`` raises."""
+    if not isinstance(reply, ResponseError):
+        return reply
+    mapped = scripts.map_error(reply, name)
+    mapped.__cause__ = reply  # what `raise ... from reply` sets
+    return mapped
 
 
 def _raise_first_error(replies: list[Any], name: str) -> list[Any]:
@@ -183,7 +217,9 @@ def _evalsha_args(call: Call, registered: dict[str, Any]) -> list[Any]:
     return [command, sha, len(call.keys), *call.keys, *call.args]
 
 
-def _queue(calls: list[Call | Command], registered: dict[str, Any], pipe: Any) -> None:
+def _queue(
+    calls: Sequence[Call | Command | list[Any]], registered: dict[str, Any], pipe: Any
+) -> None:
     """Queue calls on a pipeline (sync or asyncio), as raw commands, without awaiting them.
 
     For Redis Cluster pipelines (redis-py 8): awaiting what an asyncio ``ClusterPipeline``
@@ -192,6 +228,9 @@ def _queue(calls: list[Call | Command], registered: dict[str, Any], pipe: Any) -
     cluster pipeline's NOSCRIPT replies are re-sent as EVAL by ``transport``.
     """
     for call in calls:
+        if isinstance(call, list):  # a whole command (Reads)
+            pipe.execute_command(*call)
+            continue
         if isinstance(call, Command):
             pipe.execute_command(call.name, *call.args)
             continue

@@ -18,7 +18,7 @@ from guard.bulk import Items, Target, load_op
 from guard.coalesce import LookupCoalescer
 from guard.driver import AsyncRunner, SyncRunner
 from guard.hashing import to_bytes
-from guard.ops import Op, lockstep
+from guard.ops import OneCommand, Op, lockstep
 from guard.params import FilterParams
 
 P = ParamSpec("P")
@@ -75,6 +75,7 @@ class Facade(Generic[InfoT]):
         def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op[list[bool]]: ...
         def _lookup_op(self, data: list[bytes]) -> Op[list[bool]]: ...
         def _lookup_one_op(self, item: str | bytes) -> Op[bool]: ...
+        def _queued_lookup(self, item: str | bytes) -> Op[bool] | OneCommand: ...
         def _batch_op(self, script: str, items: Iterable[str | bytes]) -> Op[list[Any]]: ...
         def _info_op(self) -> Op[InfoT]: ...
         def _exists_op(self) -> Op[bool]: ...
@@ -262,7 +263,7 @@ class _Queue(Facade[InfoT]):
 
     def __init__(self, handle: Facade[InfoT]) -> None:
         self._handle = handle
-        self._ops: list[Op[Any]] = []
+        self._ops: list[Op[Any] | OneCommand] = []
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -272,6 +273,12 @@ class _Queue(Facade[InfoT]):
             self._ops.append(make(self._handle, *args, **kwargs))
 
         return queue
+
+    # A single lookup, the one operation a loop queues by the hundred, is queued in a form
+    # lockstep runs without a generator (guard/ops.py: OneCommand).
+    def lookup(self, item: str | bytes) -> None:  # type: ignore[override]
+        """Whether ``item`` is probably present (False is certain)."""
+        self._ops.append(self._handle._queued_lookup(item))
 
     def _all(self, raise_on_error: bool) -> Op[list[Any]]:
         ops, self._ops = self._ops, []

@@ -47,6 +47,7 @@ from guard.ops import (
     MAX_RETRIES,
     Call,
     Command,
+    OneCommand,
     Op,
     Round,
     forgets_on_damage,
@@ -232,19 +233,36 @@ class FilterOps:
         used = self._read_command
         try:
             (reply,) = yield one_command(used, args)
-        except ResponseError as exc:
-            # fakeredis has no BITFIELD_RO; BITFIELD with only GETs reads the same.
-            if used == "BITFIELD_RO" and "bitfield_ro" in str(exc).lower():
-                self._read_command = "BITFIELD"
-                return (yield from self._lookup_op([item]))[0]
-            raise
-        except FilterCorruptError:  # forgets_on_damage's rule, without its extra generator
-            self._layout = UNKNOWN_LAYOUT
-            raise
+        except (ResponseError, FilterCorruptError) as exc:
+            return (yield from self._lookup_failed(exc, used, item))
         if reply[0] == single.tag:
             return single.holds(reply, fp)
         # Stale, gone or damaged: the general lookup starts from the probe that says which.
-        return (yield from self._lookup_op([item], stale=True))[0]
+        return (yield from self._lookup_rest(item, stale=True))
+
+    def _queued_lookup(self, item: str | bytes) -> Op[bool] | OneCommand:
+        """``_lookup_one_op`` for a pipeline, with no generator (see _QueuedLookup)."""
+        return _QueuedLookup(self, item)
+
+    def _lookup_failed(self, exc: BaseException, used: str, item: bytes) -> Op[bool]:
+        """What a single lookup whose command (``used``) failed goes on with: the general
+        lookup when fakeredis, which has no BITFIELD_RO, refused it (BITFIELD with only
+        GETs reads the same); else nothing, ``exc`` is raised (damage first leaves the
+        handle with no layout: forgets_on_damage's rule, without its extra generator)."""
+        if (
+            isinstance(exc, ResponseError)
+            and used == "BITFIELD_RO"
+            and "bitfield_ro" in str(exc).lower()
+        ):
+            self._read_command = "BITFIELD"
+            return self._lookup_rest(item)
+        if isinstance(exc, FilterCorruptError):
+            self._layout = UNKNOWN_LAYOUT
+        raise exc
+
+    def _lookup_rest(self, item: bytes, stale: bool = False) -> Op[bool]:
+        """The general lookup of one item, where a single one hands over to it."""
+        return (yield from self._lookup_op([item], stale=stale))[0]
 
     @forgets_on_damage
     def _lookup_op(self, data: list[bytes], stale: bool = False) -> Op:
@@ -413,6 +431,41 @@ class FilterOps:
                 return True
             self._layout = UNKNOWN_LAYOUT
         raise GuardError(f"{self.name}: layout kept changing during promote", filter=self.name)
+
+
+class _QueuedLookup(OneCommand):
+    """``lookup(item)`` queued in a pipeline: ``_lookup_one_op`` run by lockstep with no
+    generator (guard/ops.py: OneCommand), the same command, checks and hand-overs."""
+
+    __slots__ = ("_data", "_filter", "_fp", "_item", "_single", "_used")
+
+    def __init__(self, filter: FilterOps, item: str | bytes) -> None:
+        self._filter = filter
+        self._item = item  # converted when the pipeline runs: a bad item fails there
+
+    def start(self) -> list[Any] | Op[bool]:
+        f = self._filter
+        layout = f._layout
+        if layout.subfilters != 1 or not layout.buckets0:
+            return f._lookup_one_op(self._item)  # the general lookup, from its start
+        self._data = data = to_bytes(self._item)
+        single = f._single
+        if single is None or single.layout is not layout:
+            single = f._single = SingleRead(layout)
+        self._single = single
+        args, self._fp = single.command(f._base, data)
+        self._used = used = f._read_command
+        args.insert(0, used)
+        return args
+
+    def finish(self, reply: Any) -> Any:
+        if isinstance(reply, BaseException):
+            return self._filter._lookup_failed(reply, self._used, self._data)
+        single = self._single
+        if reply[0] == single.tag:
+            return single.holds(reply, self._fp)
+        # Stale, gone or damaged: as in _lookup_one_op.
+        return self._filter._lookup_rest(self._data, stale=True)
 
 
 class _ChangeFeed(FilterOps):

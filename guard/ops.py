@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Generator, Hashable, Mapping
-from typing import Any, NamedTuple, TypeAlias, TypeVar, cast
+from types import GeneratorType
+from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 from guard import layout
 from guard.errors import FilterCorruptError
@@ -88,17 +89,52 @@ class Work(NamedTuple):
     awaits: bool = False
 
 
+class Reads(NamedTuple):
+    """Plain commands, each whole (its name first), sent with a batch's other plain rounds
+    and answered in place: each by its reply, or the exception it met (never raised). What
+    ``lockstep`` sends for its ``OneCommand`` operations, with no Round or Command each."""
+
+    commands: list[list[Any]]
+
+
 # Rounds sent together, by key; the answer maps each key to its replies or to the exception
 # its round raised (a batch never throws: each round's failure is its own).
-Batch: TypeAlias = dict[Any, Round]
+Batch: TypeAlias = dict[Any, Round | Reads]
 Op: TypeAlias = Generator[Round | Batch | Work, Any, T]
+
+
+class OneCommand:
+    """An operation that, when all goes as expected, is one plain command and a look at its
+    reply (a single lookup queued in a pipeline, guard/filter.py): ``lockstep`` runs it with
+    no generator, Round or Command. A pipeline of them makes one per item, and each object
+    kept alive until the replies come is one more the garbage collector walks: enough of
+    them make every pipeline of 100 trigger a collection.
+
+    ``start`` and ``finish`` may each hand the work over to an operation (a generator, not
+    started) that goes on from there, as the generator this stands for would have.
+    """
+
+    __slots__ = ()
+
+    def start(self) -> list[Any] | Op[Any]:
+        """The command, its name first; or the operation to run instead."""
+        raise NotImplementedError
+
+    def finish(self, reply: Any) -> Any:
+        """The result, from the command's reply or the exception it met (which it raises,
+        or handles); or the operation to go on with instead."""
+        raise NotImplementedError
+
+
+_READS = object()  # the key of a step's Reads in its batch: equal to no caller's key
 
 
 # -- running several operations together ---------------------------------------------------
 
 
 def lockstep(
-    ops: Mapping[K, Op[Any]], check: Callable[[K], BaseException | None] | None = None
+    ops: Mapping[K, Op[Any] | OneCommand],
+    check: Callable[[K], BaseException | None] | None = None,
 ) -> Op[dict[K, Any]]:
     """Run ``ops`` side by side: each step's rounds go out as one batch, so N operations
     cost the round trips of the longest, not the sum. Returns each one's result, or the
@@ -106,16 +142,37 @@ def lockstep(
 
     ``check(key)``, after each step of an operation, may stop it with an exception of its
     own (a sharded filter stops a shard whose routing went stale before anything is sent).
+
+    A ``OneCommand`` runs here without a generator until it hands over to one. When a step
+    holds nothing else, the commands of several go as one ``Reads``; else each goes as a
+    Round in its place, so a pipeline still sends everything in the operations' order.
     """
     # One loop, no helper per step: a pipeline of single lookups runs it once per item, and
     # every Python call here is a share of what the library adds to each lookup.
     results: dict[K, Any] = {}
+    running: dict[K, Any] = dict(ops)  # a OneCommand until it finishes or hands over
     answers: dict[K, Any] = dict.fromkeys(ops)  # None: not started (send(None) starts it)
     while answers:
-        pending: dict[K, Round | Batch] = {}
+        pending: dict[Any, Any] = {}  # a Round or Batch; a OneCommand's command (a list)
         batches = False  # whether some operation asks for a Batch, not a Round
+        readers: dict[K, OneCommand] = {}  # the OneCommands whose command is in pending
         for key, answer in answers.items():
-            op = ops[key]
+            op = running[key]
+            if answer is None and isinstance(op, OneCommand):
+                try:
+                    started = op.start()
+                except Exception as exc:
+                    results[key] = exc
+                    continue
+                if isinstance(started, list):
+                    stop = check(key) if check is not None else None
+                    if stop is not None:
+                        results[key] = stop
+                        continue
+                    readers[key] = op
+                    pending[key] = started
+                    continue
+                running[key] = op = started  # handed over before its command: runs now
             try:
                 throw = isinstance(answer, BaseException)
                 request = op.throw(answer) if throw else op.send(answer)
@@ -140,26 +197,69 @@ def lockstep(
             batches = batches or isinstance(request, dict)
         if not pending:
             break
+        if readers:
+            if len(readers) > 1 and len(readers) == len(pending):  # only OneCommands
+                pending = {_READS: Reads(list(pending.values()))}
+            else:  # a lone one, or among other rounds: each a Round in its place
+                for key in readers:
+                    command = pending[key]
+                    pending[key] = one_command(command[0], command[1:])
         if not batches:
             # Rounds only (a pipeline of single-item calls): they go by the operations' keys.
-            answers = yield cast("Batch", pending)
-            continue
-        # Batches too: (key,) for a round, (key, sub) for each round of a batch, so that
-        # no key of one can be taken for a key of another.
-        batch: Batch = {}
-        for key, request in pending.items():
-            if isinstance(request, Round):
-                batch[(key,)] = request
-            else:
-                batch.update(((key, sub), rnd) for sub, rnd in request.items())
-        replies = yield batch
-        answers = {
-            key: replies[(key,)]
-            if isinstance(request, Round)
-            else {sub: replies[(key, sub)] for sub in request}
-            for key, request in pending.items()
-        }
+            answers = yield pending
+        else:
+            # Batches too: (key,) for a round, (key, sub) for each round of a batch, so that
+            # no key of one can be taken for a key of another.
+            batch: Batch = {}
+            for key, request in pending.items():
+                if isinstance(request, Round):
+                    batch[(key,)] = request
+                else:
+                    batch.update(((key, sub), rnd) for sub, rnd in request.items())
+            replies = yield batch
+            answers = {
+                key: replies[(key,)]
+                if isinstance(request, Round)
+                else {sub: replies[(key, sub)] for sub in request}
+                for key, request in pending.items()
+            }
+        if readers:
+            answers = _finish(readers, answers, results, running)
     return results
+
+
+def _finish(
+    readers: dict[K, OneCommand],
+    answers: dict[Any, Any],
+    results: dict[K, Any],
+    running: dict[K, Any],
+) -> dict[Any, Any]:
+    """``lockstep``'s OneCommands of one step, given their replies (taken out of
+    ``answers``): each one's result, or the operation it hands over to, which starts in the
+    next step, in its place among the others. Returns the next step's answers."""
+    got = answers.pop(_READS, None)
+    if got is None:  # one Round each: [reply], or the exception its round met
+        replies = [
+            a if isinstance(a := answers.pop(key), BaseException) else a[0] for key in readers
+        ]
+    else:
+        replies = [got] * len(readers) if isinstance(got, BaseException) else got
+    handed = False
+    for (key, op), reply in zip(readers.items(), replies, strict=True):
+        try:
+            result = op.finish(reply)
+        except Exception as exc:
+            results[key] = exc
+            continue
+        if isinstance(result, GeneratorType):
+            running[key] = result
+            answers[key] = None  # not started
+            handed = True
+        else:
+            results[key] = result
+    if handed:  # the operations' order, as the generators handed over to had kept it
+        answers = {key: answers[key] for key in running if key in answers}
+    return answers
 
 
 def forgets_on_damage(make_op: Callable[..., Op[T]]) -> Callable[..., Op[T]]:

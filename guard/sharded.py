@@ -33,7 +33,7 @@ from guard.filter import FilterInfo, FilterOps
 from guard.hashing import shard_of, to_bytes
 from guard.layout import MAX_SHARDS, Stored, pack_header, probe_reads, unpack_header, verify_stored
 from guard.names import DEFAULT_PREFIX, STAGING
-from guard.ops import MAX_RETRIES, Command, Op, Round, lockstep
+from guard.ops import MAX_RETRIES, Command, OneCommand, Op, Round, lockstep
 from guard.params import FilterParams, Limit
 
 
@@ -235,6 +235,9 @@ class ShardedOps:
 
     def _lookup_one_op(self, item: str | bytes) -> Op[bool]:
         return (yield from self._lookup_op([to_bytes(item)]))[0]
+
+    def _queued_lookup(self, item: str | bytes) -> Op[bool] | OneCommand:
+        return self._lookup_one_op(item)
 
     def _batch_op(self, script: str, items: Iterable[str | bytes]) -> Op[list[Any]]:
         return self._items_op(items, lambda h, d: h._batch_op(script, d))

@@ -150,6 +150,40 @@ class TestSyncPipeline:
         assert cf.pipeline().execute() == []
         assert trips.count == 0
 
+    def test_queued_lookups_hand_over_in_place(
+        self, cf: SyncCuckooFilter, sync_redis: redis.Redis, prefix: str
+    ) -> None:
+        """Queued lookups take a short path; a handle whose layout is stale, a server without
+        BITFIELD_RO (fakeredis) and a damaged filter send them back to the general lookup,
+        each answer in its own place, as single lookups answer."""
+        items = [f"item{k}" for k in range(40)]
+        cf.reserve(1000)
+        cf.insert_many(items[:20])
+        cf.lookup("warm-up")  # the handle now holds the 1000-item layout
+        # Another handle replaces the filter with a larger one: cf's layout is stale.
+        other = SyncCuckooFilter(sync_redis, "piped", prefix=prefix)
+        other.drop()
+        other.reserve(50_000)
+        other.insert_many(items[10:30])
+        fresh = SyncCuckooFilter(sync_redis, "piped", prefix=prefix)
+        for handle in (cf, fresh):  # stale, and one that must learn the layout first
+            pipe = handle.pipeline()
+            for item in items:
+                pipe.lookup(item)
+            assert pipe.execute() == [other.lookup(item) for item in items]
+        # A filter key of another type: each queued lookup fails in its place, with the
+        # error a single lookup raises.
+        sync_redis.delete(other.key(0))
+        sync_redis.rpush(other.key(0), b"x")
+        damaged = SyncCuckooFilter(sync_redis, "piped", prefix=prefix)
+        with pytest.raises(Exception) as single:
+            damaged.lookup("item1")
+        pipe = cf.pipeline()
+        pipe.lookup("item1")
+        pipe.lookup("item2")
+        results = pipe.execute(raise_on_error=False)
+        assert [type(r) for r in results] == [type(single.value)] * 2
+
     def test_sharded_filter(self, sync_redis: redis.Redis, prefix: str) -> None:
         sf = SyncShardedCuckooFilter(sync_redis, "piped", prefix=prefix, shards=4)
         sf.reserve(4000)
