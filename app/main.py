@@ -28,6 +28,7 @@ from app.redis_conn import open_redis
 from app.routes import dashboard, filters, health, records
 from app.routing import add_routes
 from app.settings import Settings, describe, startup_problem, weak_api_key
+from app.watchdog import Watchdog, WatchdogSettings
 from guard.breaker import RedisBreaker
 from guard.errors import RedisUnreachable
 from guard.middleware import GuardMiddleware
@@ -48,6 +49,32 @@ def _records_filter(scope: Any) -> Any:
     """The records filter handle, from the lifespan state (None before start-up)."""
     store = scope.get("state", {}).get("records")
     return None if store is None else store.filter
+
+
+def _records_stale(scope: Any) -> bool:
+    """Whether the watchdog finds the records filter behind the table."""
+    watchdog = scope.get("state", {}).get("watchdog")
+    return watchdog is not None and watchdog.stale
+
+
+async def _start_watchdog(
+    cfg: Settings, store: RecordStore, db: Any, metrics: Metrics, stack: AsyncExitStack
+) -> Watchdog:
+    watchdog = Watchdog(
+        store.filter,
+        db,
+        rebuild=store.rebuild,
+        settings=WatchdogSettings(
+            interval=cfg.watchdog_interval,
+            max_lag=cfg.watchdog_max_lag,
+            audit_interval=cfg.audit_interval,
+            audit_sample=cfg.audit_sample,
+        ),
+        metrics=metrics,
+    )
+    await watchdog.start()
+    stack.push_async_callback(_cancel, asyncio.create_task(watchdog.run()))
+    return watchdog
 
 
 async def _rebuild_once(store: RecordStore) -> bool:
@@ -137,6 +164,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if cfg.rebuild_on_startup and not await _rebuild_once(store):
                 task = asyncio.create_task(_rebuild_until_done(store))
                 stack.push_async_callback(_cancel, task)
+            watchdog = None
+            if cfg.watchdog:
+                watchdog = await _start_watchdog(cfg, store, db, metrics, stack)
             yield {
                 "redis": redis,
                 "admin_redis": clients.admin,
@@ -145,6 +175,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 ),
                 "db": db,
                 "records": store,
+                "watchdog": watchdog,
                 "idempotency": Idempotency(
                     redis, cfg.key_prefix, cfg.idempotency_ttl, cfg.idempotency_wait
                 ),
@@ -176,6 +207,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         retry_after=cfg.retry_after,
         on_decision=metrics.decision,
         on_failure=partial(metrics.filter_failure, "guard"),
+        stale=_records_stale,
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     # Outside the guard and the routes: they only ever see the server's lossy decoding.
