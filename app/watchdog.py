@@ -46,6 +46,7 @@ NEEDS_REBUILD = frozenset({MISSING, OTHER_SOURCE, DAMAGED, AUDIT_MISS})
 
 CLEAN, MISS, INCONCLUSIVE = "clean", "miss", "inconclusive"
 MAX_BACKOFF_S = 5.0  # between failed repairs
+HISTORY = 100  # ended incidents kept (tests and the bench read them)
 
 
 class WatchedDatabase(Protocol):
@@ -77,6 +78,8 @@ class Incident:
     rebuild: bool  # only a rebuild can repair it
     rebuilt: bool = False  # a rebuild finished since it began
     repairs: int = 0
+    until: float | None = None  # monotonic, once trusted again
+    how: str = ""  # the repair that worked: catch_up or rebuild ("" if none was needed)
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,8 @@ class Watchdog:
         self.metrics = metrics
         self.clock = clock
         self.incident: Incident | None = None
-        self.incidents = 0  # since start, of this process
+        self.history: deque[Incident] = deque(maxlen=HISTORY)  # the latest, ended ones
+        self.opened = 0  # incidents begun since start
         self._source: int | None = None
         self._highest = 0  # the highest `applied` read while trusted
         # (first seen, id): newest ids seen committed that the filter had not applied yet.
@@ -304,6 +308,7 @@ class Watchdog:
                 incident.rebuild = True
                 await self.rebuild()
                 incident.rebuilt = True
+            incident.how = how
             incident.target = max(incident.target, target)
         except Exception as exc:
             if how == "catch_up" and not isinstance(exc, RedisUnreachable):
@@ -343,7 +348,7 @@ class Watchdog:
                 log.warning("watchdog: %s is also %s (%s)", self.cf.name, reason, detail)
             return
         self.incident = Incident(reason, self.clock(), newest, reason in NEEDS_REBUILD)
-        self.incidents += 1
+        self.opened += 1
         self._next_repair = 0.0
         self._backoff = self.settings.interval
         log.warning(
@@ -359,11 +364,13 @@ class Watchdog:
         incident = self.incident
         assert incident is not None
         self.incident = None
+        incident.until = self.clock()
+        self.history.append(incident)
         self._highest = applied
         log.warning(
             "filter %s trusted again after %.2f s (%s, %d repair(s))",
             self.cf.name,
-            self.clock() - incident.since,
+            incident.until - incident.since,
             incident.reason,
             incident.repairs,
         )
