@@ -20,6 +20,7 @@ from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.db import RecordInputError
 from guard import (
     NAME_PATTERN,
     FilterCorruptError,
@@ -86,7 +87,7 @@ def damaged_filter(exc: FilterCorruptError) -> str:
 
 def error_response(exc: BaseException, retry_after: int = 1) -> JSONResponse | None:
     """The HTTP answer for a domain or Redis error; None for anything else (a real bug)."""
-    if isinstance(exc, BadInput):
+    if isinstance(exc, BadInput | RecordInputError):
         return invalid(list(exc.loc), exc.msg)
     if isinstance(exc, InvalidParameterError):
         # A filter parameter arrives in a request body (PUT /filters/{name}): `loc` names it.
@@ -177,6 +178,7 @@ def install(app: FastAPI, retry_after: int) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     for exc_type in (
         BadInput,
+        RecordInputError,
         Conflict,
         InDoubt,
         GuardError,

@@ -150,7 +150,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         async with AsyncExitStack() as stack:
             clients = await stack.enter_async_context(open_redis(cfg))
             redis = clients.main
-            db = await open_database(cfg.database_url, cfg.db_latency_ms)
+            db = await open_database(cfg)
             stack.push_async_callback(db.close)
             seeded = await db.seed(cfg.demo_records)
             if seeded:

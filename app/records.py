@@ -14,12 +14,13 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import LockError
 
-from app.db import Database, Hook
+from app.db import ChangeHook, Database
 from app.metrics import Metrics
 from app.redis_conn import FlushSafeLock, FlushSafeScript
 from app.settings import Settings
 from guard import CuckooFilter, FilterInfo, FilterNotFoundError
 from guard.breaker import RedisBreaker
+from guard.changes import Change
 from guard.errors import RedisUnreachable
 
 log = logging.getLogger(__name__)
@@ -193,14 +194,14 @@ class RecordStore:
         return await self._write(key, add=False, write=lambda hook: self.db.delete(key, hook))
 
     async def _write(
-        self, key: str, *, add: bool, write: Callable[[Hook], Awaitable[bool]]
+        self, key: str, *, add: bool, write: Callable[[ChangeHook], Awaitable[bool]]
     ) -> bool:
         """Run a database write whose hook changes the filter inside its transaction (see
         above); if the transaction then fails, the filter change is undone."""
         await self._invalidate(key)
         applied = False
 
-        async def apply() -> None:
+        async def apply(_change: Change) -> None:
             nonlocal applied
             try:
                 await self._filters_apply(key, add=add)
@@ -295,7 +296,7 @@ class RecordStore:
         capacity = self.settings.capacity_for(rows)
         await self.staging.reserve(capacity, error_rate=self.settings.records_error_rate)
 
-        async def mark_snapshot() -> None:
+        async def mark_snapshot(_change_id: int) -> None:
             await self.redis.set(self._snapshot_flag, b"1")
 
         async for batch in self.db.iter_keys(self.settings.rebuild_batch, mark_snapshot):

@@ -76,6 +76,15 @@ class Settings(BaseSettings):
     database_url: str = ""  # "" = sqlite:///<data_dir>/records.db
     db_latency_ms: float = Field(default=0.0, ge=0)
     demo_records: int = Field(default=1000, ge=0)
+    # The guarded table: the service's own records(key, value) by default (created if
+    # missing), or an existing one, whose record is a JSON object of GUARD_RECORDS_COLUMNS
+    # (a JSON array or comma-separated names; "" = every column). The key column holds text
+    # or integers and must be unique. docs/postgresql.md: what the change feed adds to it.
+    records_table: str = Field(default="records", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+    records_key_column: str = Field(default="key", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+    records_columns: str = ""
+    # The change log's tables are <prefix>_changes and <prefix>_feed.
+    feed_prefix: str = Field(default="guard", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
 
     # Guard behaviour.
     fail_open: bool = True

@@ -131,3 +131,7 @@ async def start(make_settings: Callable[..., Settings]) -> AsyncIterator[StartSe
 async def svc(start: StartService) -> Service:
     """The default service: 50 demo records, API key set, fail open."""
     return await start()
+
+
+# Databases of record (SQLite and PostgreSQL) for the tests that run on each.
+from tests.app.dbs import db_url, open_db, other  # noqa: E402, F401

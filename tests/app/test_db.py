@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.db import SQLiteDatabase, open_database, sqlite_path
+from guard.changes import Change
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -37,23 +38,23 @@ class TestSQLite:
         assert await db.seed(10) == 0 and await db.count() == 9
 
     async def test_hooks_run_inside_the_transaction(self, db: SQLiteDatabase) -> None:
-        async def fail() -> None:
+        async def fail(change: Change) -> None:
             raise RuntimeError("filter unreachable")
 
         with pytest.raises(RuntimeError):
-            await db.put("k", "1", on_create=fail)
+            await db.put("k", "1", on_change=fail)
         assert await db.get("k") is None  # rolled back
         await db.put("k", "1")
         with pytest.raises(RuntimeError):
-            await db.delete("k", on_delete=fail)
+            await db.delete("k", on_change=fail)
         assert await db.get("k") == "1"  # rolled back
-        ran: list[str] = []
+        ran: list[Change] = []
 
-        async def note() -> None:
-            ran.append("x")
+        async def note(change: Change) -> None:
+            ran.append(change)
 
-        assert await db.put("k", "2", on_create=note) is False and ran == []  # replace: no hook
-        assert await db.delete("nope", on_delete=note) is False and ran == []
+        assert await db.put("k", "2", on_change=note) is False and ran == []  # replace: no hook
+        assert await db.delete("nope", on_change=note) is False and ran == []
 
     async def test_latency(self, tmp_path: Path) -> None:
         slow = await open_database(f"sqlite:///{tmp_path}/s.db", latency_ms=30)
@@ -88,7 +89,7 @@ class TestSnapshot:
         await db.seed(3)
         order: list[str] = []
 
-        async def mark() -> None:
+        async def mark(change_id: int) -> None:
             writer = asyncio.create_task(db.put("w", "1"))
             await asyncio.sleep(0.05)
             order.append("snapshot" if not writer.done() else "writer first")
@@ -103,12 +104,12 @@ class TestSnapshot:
         release = asyncio.Event()
         order: list[str] = []
 
-        async def slow_hook() -> None:
+        async def slow_hook(change: Change) -> None:
             inside.set()
             await release.wait()
             order.append("write committed")
 
-        writer = asyncio.create_task(db.put("k", "1", on_create=slow_hook))
+        writer = asyncio.create_task(db.put("k", "1", on_change=slow_hook))
         await inside.wait()
 
         async def barrier() -> None:

@@ -169,9 +169,10 @@ class TestFilterFollowsTable:
     async def test_database_failure_after_filter_insert_undoes_both(
         self, svc: Service, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """The INSERT fails after the key entered the filter: no row, and no fingerprint."""
+        """The commit fails after the key entered the filter: no row, and no fingerprint."""
         store, db = svc.records, svc.db
-        real_apply, real_query = store._filters_apply, db._query
+        real_apply, writer = store._filters_apply, db._writer
+        real_commit = writer.commit
         inserted = False
 
         async def apply(key: str, *, add: bool) -> None:
@@ -179,13 +180,13 @@ class TestFilterFollowsTable:
             await real_apply(key, add=add)
             inserted = add
 
-        async def query() -> None:
+        async def commit() -> None:
             if inserted:
                 raise sqlite3.OperationalError("disk I/O error")
-            await real_query()
+            await real_commit()
 
         monkeypatch.setattr(store, "_filters_apply", apply)
-        monkeypatch.setattr(db, "_query", query)
+        monkeypatch.setattr(writer, "commit", commit)
         with pytest.raises(sqlite3.OperationalError):
             await store.put("doomed", 1)
         monkeypatch.undo()

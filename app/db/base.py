@@ -1,0 +1,219 @@
+"""What the service needs from its database of record: the protocol, the guarded table, errors.
+
+Every implementation keeps a trigger-maintained change log of the guarded table (tables
+`<prefix>_changes` and `<prefix>_feed`, triggers on the table): gapless ids that commit in id
+order, so a filter that stores the id of the last change applied (guard/changes.py) can follow
+every write, whoever makes it. docs/postgresql.md says exactly what is created.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from guard.changes import Change
+
+ChangeHook = Callable[[Change], Awaitable[None]]
+SnapshotHook = Callable[[int], Awaitable[None]]
+
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+MAX_SOURCE = 2**53 - 1  # a change log's identity fits a JSON number and a filter's header
+INT64 = range(-(2**63), 2**63)
+
+
+class Database(Protocol):
+    """A guarded table with a change log (SQLite or PostgreSQL)."""
+
+    # Statements sent for the records (get/put/delete/count/seed/iter_keys): tests assert a
+    # blocked read adds none. The change feed's own statements, which a follower and the
+    # audit send in the background, are counted apart in `feed_queries`.
+    queries: int
+    feed_queries: int
+
+    async def get(self, key: str) -> str | None:
+        """The record as JSON text, None if there is no such row."""
+        ...
+
+    async def put(self, key: str, value: str, on_change: ChangeHook | None = None) -> bool:
+        """Insert or replace; True if the row is new.
+
+        When new, `on_change(change)` runs inside the write transaction once the row and its
+        log entry are written (`change.id` is the log id), before the commit; if it raises,
+        nothing is written. A replace logs nothing and runs no hook.
+        """
+        ...
+
+    async def delete(self, key: str, on_change: ChangeHook | None = None) -> bool:
+        """True only if a row was deleted and that committed; the hook runs as for put."""
+        ...
+
+    async def count(self) -> int: ...
+
+    def iter_keys(
+        self, batch_size: int, at_snapshot: SnapshotHook | None = None
+    ) -> AsyncIterator[list[str]]:
+        """Every key of one consistent snapshot.
+
+        `at_snapshot(change_id)` runs at the snapshot, with writers still held off; the id is
+        the newest change the snapshot contains.
+        """
+        ...
+
+    def write_barrier(self) -> AbstractAsyncContextManager[None]:
+        """Hold off every writer of the guarded table (of any process) during the block,
+        once the writes already under way committed or rolled back."""
+        ...
+
+    async def feed_source(self) -> int:
+        """The change log's identity, 1..2**53-1, made once when the log was installed."""
+        ...
+
+    async def newest_change(self) -> int:
+        """The newest committed change id, 0 if none yet."""
+        ...
+
+    async def oldest_change(self) -> int:
+        """The smallest id still held; newest + 1 when the log is empty.
+
+        Replaying from a filter's `applied` is possible iff applied + 1 >= oldest_change().
+        """
+        ...
+
+    async def changes_after(self, after: int, limit: int) -> list[Change]:
+        """Committed changes with id > after, ascending and consecutive, at most `limit`."""
+        ...
+
+    async def wait_for_change(self, after: int, timeout: float) -> bool:
+        """True as soon as newest_change() > after, False after `timeout` seconds."""
+        ...
+
+    async def compact(self, upto: int) -> int:
+        """Delete the log's entries with id <= upto; returns how many."""
+        ...
+
+    async def sample_keys(self, n: int) -> list[str]:
+        """Up to `n` random existing keys (the guard's audit looks them up)."""
+        ...
+
+    async def seed(self, n: int) -> int:
+        """Fill the service's own empty table with `n` demo rows; returns rows added."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class RecordInputError(ValueError):
+    """A key or record the guarded table cannot hold: 422 naming the field (app/errors.py)."""
+
+    def __init__(self, loc: tuple[str | int, ...], msg: str) -> None:
+        super().__init__(msg)
+        self.loc = loc
+        self.msg = msg
+
+
+class DatabaseSetupError(ValueError):
+    """The settings name a table or column the database does not have, or cannot guard."""
+
+
+def identifier(setting: str, name: str) -> str:
+    if not IDENTIFIER.fullmatch(name):
+        raise DatabaseSetupError(
+            f"{setting} must be a plain SQL name (letters, digits, _; 63 at most), got {name!r}"
+        )
+    return name
+
+
+def quote(name: str) -> str:
+    """A checked identifier, quoted (IDENTIFIER admits no quote character)."""
+    return f'"{name}"'
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """The guarded table and what the service reads and writes of it.
+
+    The default is the service's own `records(key, value)` table, created when missing, whose
+    record is the JSON text in `value`. Any other table must exist; its record is a JSON
+    object of `columns` (all of them when empty), and writes through the service take such an
+    object too.
+    """
+
+    table: str = "records"
+    key_column: str = "key"
+    columns: tuple[str, ...] = ()
+    prefix: str = "guard"
+
+    def __post_init__(self) -> None:
+        identifier("GUARD_RECORDS_TABLE", self.table)
+        identifier("GUARD_RECORDS_KEY_COLUMN", self.key_column)
+        for c in self.columns:
+            identifier("GUARD_RECORDS_COLUMNS", c)
+        identifier("GUARD_FEED_PREFIX", self.prefix)
+
+    @property
+    def own(self) -> bool:
+        """The service's own key-value table (created if missing, seeded with demo rows)."""
+        return self.table == "records" and self.key_column == "key" and not self.columns
+
+    @property
+    def changes(self) -> str:
+        return f"{self.prefix}_changes"
+
+    @property
+    def feed(self) -> str:
+        return f"{self.prefix}_feed"
+
+    @property
+    def channel(self) -> str:
+        return f"{self.prefix}_changes"
+
+    def trigger(self, what: str) -> str:
+        return f"{self.prefix}_{self.table}_{what}"[:63]
+
+
+def parse_columns(raw: str) -> tuple[str, ...]:
+    """GUARD_RECORDS_COLUMNS: a JSON array of names or a comma-separated list ("" = all)."""
+    raw = raw.strip()
+    names: Any = (
+        json.loads(raw) if raw.startswith("[") else [c.strip() for c in raw.split(",") if c.strip()]
+    )
+    if not isinstance(names, list) or not all(isinstance(c, str) for c in names):
+        raise DatabaseSetupError("GUARD_RECORDS_COLUMNS must list column names")
+    return tuple(names)
+
+
+def integer_key(key: str) -> int | None:
+    """The integer a key names, for an integer key column; None when no row can have it.
+
+    Only the canonical spelling counts ("7", never "07" or "+7"): keys travel as text and the
+    filter holds str(int) of each row's key, so "07" is no key of the table.
+    """
+    try:
+        n = int(key)
+    except ValueError:
+        return None
+    return n if str(n) == key and n in INT64 else None
+
+
+def record_object(value: str, writable: tuple[str, ...], key_column: str) -> dict[str, Any]:
+    """A write's JSON text for a table of columns: an object of writable columns."""
+    obj = json.loads(value)
+    if not isinstance(obj, dict):
+        raise RecordInputError(
+            ("body", "value"), f"must be a JSON object of the columns {', '.join(writable)}"
+        )
+    for name in obj:
+        if name == key_column:
+            raise RecordInputError(
+                ("body", "value", name), "is the key column: the key is in the path"
+            )
+        if name not in writable:
+            raise RecordInputError(
+                ("body", "value", name),
+                f"is no column of the table; the columns are {', '.join(writable)}",
+            )
+    return obj

@@ -1,0 +1,58 @@
+"""Fixtures for tests that run on every database of record: SQLite and PostgreSQL.
+
+`open_db(spec)` opens the backend's database (closed after the test); `other(sql)` runs a
+statement on a connection of its own, autocommitted, as the user's application would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from app.db import Database, TableSpec, open_database
+
+OpenDb = Callable[..., Awaitable[Database]]
+Other = Callable[[str], Awaitable[None]]
+
+DB_BACKENDS = ["sqlite"]
+
+
+@pytest.fixture(params=DB_BACKENDS)
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path}/feed.db"
+
+
+@pytest.fixture
+async def open_db(db_url: str) -> AsyncIterator[OpenDb]:
+    opened: list[Database] = []
+
+    async def open_(spec: TableSpec | None = None) -> Database:
+        db = await open_database(db_url, table=spec)
+        opened.append(db)
+        return db
+
+    yield open_
+    for db in opened:
+        await db.close()
+
+
+@pytest.fixture
+def other(db_url: str) -> Other:
+    path = db_url.removeprefix("sqlite:///")
+
+    def run(sql: str) -> None:
+        conn = sqlite3.connect(path, timeout=10)
+        try:
+            conn.execute(sql)
+            conn.commit()
+        finally:
+            conn.close()
+
+    async def run_async(sql: str) -> None:
+        await asyncio.to_thread(run, sql)
+
+    return run_async
