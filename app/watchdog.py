@@ -159,12 +159,11 @@ class Watchdog:
     async def tick(self) -> None:
         await self.check()
         now = self.clock()
-        if self.incident is None:
-            if self.settings.audit_interval and now >= self._next_audit:
-                self._next_audit = now + self.settings.audit_interval
-                await self._audit_trusted()
-            return
-        if now >= self._next_repair:
+        audit = self.settings.audit_interval
+        if self.incident is None and audit and now >= self._next_audit:
+            self._next_audit = now + audit
+            await self._audit_trusted()
+        if self.incident is not None and now >= self._next_repair:
             await self.repair()
             await self.check()
 
