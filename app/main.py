@@ -17,8 +17,9 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 
 from app import errors
-from app.db import open_database
+from app.db import Database, open_database
 from app.deps import FilterHandles
+from app.feed import Follower
 from app.idempotency import Idempotency
 from app.input import BodyLimitMiddleware, Utf8Middleware
 from app.metrics import Metrics, RequestMetricsMiddleware
@@ -58,12 +59,19 @@ def _records_stale(scope: Any) -> bool:
 
 
 async def _start_watchdog(
-    cfg: Settings, store: RecordStore, db: Any, metrics: Metrics, stack: AsyncExitStack
+    cfg: Settings,
+    store: RecordStore,
+    follower: Follower,
+    db: Database,
+    metrics: Metrics,
+    stack: AsyncExitStack,
 ) -> Watchdog:
     watchdog = Watchdog(
         store.filter,
         db,
         rebuild=store.rebuild,
+        catch_up=follower.catch_up,
+        diverged=lambda: store.state.diverged,
         settings=WatchdogSettings(
             interval=cfg.watchdog_interval,
             max_lag=cfg.watchdog_max_lag,
@@ -164,9 +172,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if cfg.rebuild_on_startup and not await _rebuild_once(store):
                 task = asyncio.create_task(_rebuild_until_done(store))
                 stack.push_async_callback(_cancel, task)
+            # Rows written behind the service's back reach the filter (app/feed.py).
+            follower = store.follower() if cfg.feed else None
+            if follower is not None:
+                stack.push_async_callback(_cancel, asyncio.create_task(follower.run()))
             watchdog = None
             if cfg.watchdog:
-                watchdog = await _start_watchdog(cfg, store, db, metrics, stack)
+                # Its repair replays with a follower of its own when the feed is off here
+                # (`guard follow` elsewhere): applying a change twice is harmless.
+                repairer = follower or store.follower()
+                watchdog = await _start_watchdog(cfg, store, repairer, db, metrics, stack)
             yield {
                 "redis": redis,
                 "admin_redis": clients.admin,
@@ -175,6 +190,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 ),
                 "db": db,
                 "records": store,
+                "follower": follower,
                 "watchdog": watchdog,
                 "idempotency": Idempotency(
                     redis, cfg.key_prefix, cfg.idempotency_ttl, cfg.idempotency_wait

@@ -123,6 +123,21 @@ class Settings(BaseSettings):
     )
     audit_sample: int = Field(default=32, ge=1, le=10_000, description="keys per audit")
     rebuild_batch: int = Field(default=1000, ge=1)
+    # The change feed (app/feed.py): the service applies the database's change log to the
+    # records filter, whoever wrote the rows.
+    feed: bool = Field(
+        default=True, description="follow the change log in the service (off: `guard follow`)"
+    )
+    feed_batch: int = Field(default=1000, ge=1, description="changes read and applied at once")
+    feed_retain: int = Field(
+        default=100_000,
+        ge=0,
+        description="change log rows kept behind the filter when compacting: a filter restored "
+        "from an older copy within them is repaired by replay instead of a rebuild",
+    )
+    feed_compact_interval: float = Field(
+        default=10.0, gt=0, description="seconds between compactions of the change log"
+    )
 
     # Input limits; each 4xx answer names the field and the limit.
     max_batch: int = Field(default=10_000, ge=1)

@@ -15,6 +15,7 @@ docs/consistency.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -23,13 +24,9 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from app.feed import NeedsRebuild
 from guard import CuckooFilter
-from guard.errors import (
-    ChangeSourceError,
-    FilterCorruptError,
-    FilterNotFoundError,
-    RedisUnreachable,
-)
+from guard.errors import FilterCorruptError, FilterNotFoundError, RedisUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +38,9 @@ MISSING = "missing"  # the key is gone (Redis back empty, deleted)
 OTHER_SOURCE = "other_source"  # built from another change log (another database)
 DAMAGED = "damaged"  # its header fails the checks
 AUDIT_MISS = "audit_miss"  # a key the table holds, and the filter applied, reads absent
+DIVERGED = "diverged"  # it kept a change the database rolled back (app/feed.py)
 # These leave the filter's contents unknown: only a rebuild from the table repairs them.
-NEEDS_REBUILD = frozenset({MISSING, OTHER_SOURCE, DAMAGED, AUDIT_MISS})
+NEEDS_REBUILD = frozenset({MISSING, OTHER_SOURCE, DAMAGED, AUDIT_MISS, DIVERGED})
 
 CLEAN, MISS, INCONCLUSIVE = "clean", "miss", "inconclusive"
 MAX_BACKOFF_S = 5.0  # between failed repairs
@@ -93,9 +91,11 @@ class WatchdogSettings:
 class Watchdog:
     """Watches one filter that follows `db`'s change log; `stale` says whether to trust it.
 
-    `catch_up()` applies every change committed so far to the filter (the follower's) and
-    `rebuild()` builds it anew from the table (the record store's); either may be None when
-    the service has no such thing (then the other one repairs).
+    `catch_up()` applies every change committed so far to the filter (the follower's; it
+    raises NeedsRebuild when the log cannot repair it) and `rebuild()` builds it anew from the
+    table (the record store's); without `catch_up` every repair is a rebuild. `diverged()`
+    gives a reason known elsewhere why the filter must be rebuilt (the feed's FeedState:
+    a change the database rolled back that the filter kept), or None.
     """
 
     def __init__(
@@ -105,6 +105,7 @@ class Watchdog:
         *,
         rebuild: Callable[[], Awaitable[Any]],
         catch_up: Callable[[], Awaitable[int]] | None = None,
+        diverged: Callable[[], Exception | None] | None = None,
         settings: WatchdogSettings = WatchdogSettings(),
         metrics: WatchdogMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -113,6 +114,7 @@ class Watchdog:
         self.db = db
         self.rebuild = rebuild
         self.catch_up = catch_up
+        self.diverged = diverged
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
@@ -186,6 +188,10 @@ class Watchdog:
             return
         except RedisUnreachable:
             return  # an outage: the middleware's breaker deals with it
+        problem = self.diverged() if self.diverged is not None else None
+        if problem is not None:
+            self._open(DIVERGED, newest, str(problem))
+            return
         await self._judge(newest, applied)
 
     async def _judge(self, newest: int, applied: int) -> None:
@@ -278,7 +284,8 @@ class Watchdog:
             newest = await self.db.newest_change()
             applied = await self.cf.applied_change()
             if applied < newest and self.catch_up is not None:
-                applied = await self.catch_up()
+                with contextlib.suppress(NeedsRebuild):  # the watermark check names it
+                    applied = await self.catch_up()
             if applied < newest:
                 return INCONCLUSIVE  # the watermark check judges a filter left behind
             present = [k for k in keys if await self.db.get(k) is not None]
@@ -290,30 +297,30 @@ class Watchdog:
     # ---- repair ------------------------------------------------------------------------
 
     async def repair(self) -> None:
-        """One repair attempt: replay when the change log still holds the filter's id,
-        else rebuild; a failure waits a growing while before the next one."""
+        """One repair attempt: replay the change log from the filter's id, or rebuild when
+        the log no longer holds it (or the damage is of a kind a replay cannot mend); a
+        failure waits a growing while before the next attempt."""
         incident = self.incident
         if incident is None:
             return
         incident.repairs += 1
-        how = "rebuild"
+        how = "catch_up"
         try:
             target = await self.db.newest_change()
-            if not incident.rebuild and await self._replayable():
-                how = "catch_up"
-                assert self.catch_up is not None
-                await self.catch_up()
-            else:
+            if not incident.rebuild and self.catch_up is not None:
+                try:
+                    await self.catch_up()
+                except NeedsRebuild as exc:
+                    log.warning("watchdog: %s", exc)
+                    incident.rebuild = True
+            if incident.rebuild or self.catch_up is None:
+                how = "rebuild"
                 incident.rebuild = True
                 await self.rebuild()
                 incident.rebuilt = True
             incident.how = how
             incident.target = max(incident.target, target)
         except Exception as exc:
-            if how == "catch_up" and not isinstance(exc, RedisUnreachable):
-                # Compacted past the filter's id meanwhile, or the filter went away: the
-                # next attempt rebuilds.
-                incident.rebuild = True
             self._next_repair = self.clock() + self._backoff
             self._backoff = min(MAX_BACKOFF_S, self._backoff * 2)
             log.warning("watchdog: %s of %s failed (%r)", how, self.cf.name, exc)
@@ -324,16 +331,6 @@ class Watchdog:
         log.info("watchdog: %s of %s done (attempt %d)", how, self.cf.name, incident.repairs)
         if self.metrics is not None:
             self.metrics.filter_repair(self.cf.name, how, "done")
-
-    async def _replayable(self) -> bool:
-        """Whether the change log still holds every change after the filter's id."""
-        if self.catch_up is None:
-            return False
-        try:
-            applied = await self.cf.applied_change()
-        except (FilterNotFoundError, FilterCorruptError, ChangeSourceError):
-            return False
-        return applied + 1 >= await self.db.oldest_change()
 
     # ---- incidents ---------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
-"""The `guard` command line: filters (create/info/list/drop/load/export/import) and the service
-(serve/demo/attack). `main` is the console-script entry point."""
+"""The `guard` command line: filters (create/info/list/drop/load/export/import), the service
+(serve/demo/attack) and the change feed (follow). `main` is the console-script entry point."""
 
 from __future__ import annotations
 
-from app.cli import filters, service  # noqa: F401  (they register their commands on `cli`)
+from app.cli import feed, filters, service  # noqa: F401  (they register their commands on `cli`)
 from app.cli.common import cli
 
 

@@ -2,10 +2,11 @@
 
 The tests drive the watchdog by hand (check, audit, tick) with a clock of their own: "a change
 committed more than max_lag ago" is a clock setting here, never a wait. The change log is
-applied by a minimal follower written below (the service's own is app code of its own), so
-each rule is seen on its own: the follower's normal window is not stale; a change left
-unapplied past max_lag is; an id that moves back is at once; a missing key, a filter of
-another change log, zeroed buckets (the audit) are; each is repaired by replay or rebuild.
+applied by the follower's replay (app/feed.py) when the test says so, and a minimal rebuild
+is written below, so each rule is seen on its own: the follower's normal window is not stale;
+a change left unapplied past max_lag is; an id that moves back is at once; a missing key, a
+filter of another change log, zeroed buckets (the audit) are; each is repaired by replay or
+rebuild.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from app.db import Database
+from app.feed import replay
 from app.watchdog import (
     AUDIT_MISS,
     BEHIND,
@@ -56,15 +58,9 @@ class Rig:
     rebuilds: int = 0
 
     async def catch_up(self) -> int:
-        """A minimal follower: apply every committed change after the filter's id."""
+        """The follower's replay (app/feed.py), counted."""
         self.catch_ups += 1
-        applied = await self.cf.applied_change()
-        while changes := await self.db.changes_after(applied, 500):
-            result = await self.cf.apply_changes(changes, source=self.source)
-            if result.gap:
-                raise RuntimeError(f"log compacted past {applied}")
-            applied = result.applied
-        return applied
+        return await replay(self.cf, self.db, self.source, batch=500)
 
     async def rebuild(self) -> None:
         """A minimal rebuild: the table's snapshot, bulk loaded, then caught up."""

@@ -1,0 +1,148 @@
+"""Rebuilding the records filter from its table: a bulk build of one snapshot, brought up to
+date from the change log, promoted under the database's write barrier."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import LockError
+
+from app.db import Database
+from app.feed import FeedState, replay
+from app.redis_conn import FlushSafeLock
+from app.settings import Settings
+from guard import CuckooFilter, FilterInfo
+from guard.errors import RedisUnreachable
+
+log = logging.getLogger(__name__)
+
+LOCK_S = 600  # a rebuild's lock (and its snapshot mark) lapse this long after its last sign
+
+
+class RebuildInProgress(Exception):
+    """Another rebuild of this filter holds the lock."""
+
+
+class Rebuild:
+    """Builds the filter from the table into its staging copy and swaps it in atomically.
+
+    1. ``iter_keys`` gives the keys of one snapshot and the id of the newest change in it;
+       the bulk builder (guard/bulk.py) makes the staging copy from them, with that id as its
+       ``applied`` and the log's ``source`` in its header;
+    2. the copy applies the changes logged since, from the log, while writers go on;
+    3. under the write barrier (no write transaction open, in any process) it applies the
+       last ones and is promoted: it is then exactly the table, and stands at its newest id.
+
+    Writers change only the live filter, readers read only it, until the promote: no present
+    key reads as absent at any point. Adds and deletes made during the build are both in the
+    log, so both reach the new filter. While a rebuild runs, its snapshot id is kept in Redis
+    (``pinned()``) so that no follower compacts the log past what the copy still needs.
+    """
+
+    def __init__(
+        self, admin: aioredis.Redis, db: Database, settings: Settings, state: FeedState
+    ) -> None:
+        self.admin = admin  # a whole filter is written: the admin client's timeout
+        self.db = db
+        self.settings = settings
+        self.state = state
+        prefix = settings.key_prefix
+        self.filter = CuckooFilter(admin, settings.records_filter, prefix=prefix)
+        self.staging = self.filter.staging()
+        tag = "{" + settings.records_filter + "}"
+        self.lock_key = f"{prefix}app:rebuild:{tag}:lock"
+        self.snapshot_key = f"{prefix}app:rebuild:{tag}:snapshot"
+
+    async def pinned(self) -> int | None:
+        """The snapshot id of a rebuild running now (in any process), else None."""
+        raw = await self.admin.get(self.snapshot_key)
+        return None if raw is None else int(raw)
+
+    async def run(self) -> FilterInfo:
+        """Rebuild; the new filter's info. RebuildInProgress when another one runs."""
+        lock = self.admin.lock(
+            self.lock_key, timeout=LOCK_S, blocking=False, lock_class=FlushSafeLock
+        )
+        if not await lock.acquire(token=uuid.uuid4().hex):
+            raise RebuildInProgress(f"a rebuild of {self.filter.name!r} is already running")
+        try:
+            await self._build(lock)
+        except BaseException:
+            await asyncio.shield(self._abort())
+            raise
+        finally:
+            try:
+                await lock.release()
+            except (LockError, *RedisUnreachable):
+                pass
+        return await self.filter.info()
+
+    async def _build(self, lock: Any) -> None:
+        db, cfg = self.db, self.settings
+        source = await db.feed_source()
+        rows = await db.count()
+        capacity = cfg.capacity_for(rows)
+        snapshot: int | None = None
+
+        async def at_snapshot(change_id: int) -> None:
+            nonlocal snapshot
+            snapshot = change_id
+            await self.admin.set(self.snapshot_key, change_id, ex=LOCK_S)
+
+        pages = db.iter_keys(cfg.rebuild_batch, at_snapshot)
+        try:
+            # The snapshot is taken when the first page is asked for; its id goes into the
+            # header the builder writes, so it must be known before the build starts.
+            first = await anext(pages, None)
+            if snapshot is None:
+                raise RuntimeError("the database's iter_keys took no snapshot")
+
+            async def keys() -> AsyncIterator[list[str]]:
+                if first is not None:
+                    yield first
+                async for page in pages:
+                    yield page
+                    await lock.reacquire()  # a long build keeps its lock
+                    await self.admin.expire(self.snapshot_key, LOCK_S)
+
+            await self.filter.bulk_load(
+                keys(),
+                capacity,
+                error_rate=cfg.records_error_rate,
+                promote=False,
+                applied=snapshot,
+                source=source,
+            )
+        finally:
+            await _close(pages)
+        # Most of what was written meanwhile, without holding writers off.
+        await replay(self.staging, db, source, batch=cfg.feed_batch)
+        async with db.write_barrier():
+            await replay(self.staging, db, source, batch=cfg.feed_batch)
+            await self.staging.promote()
+        await self.admin.delete(self.snapshot_key)
+        self.state.diverged = None  # whatever was wrong went with the old filter
+        log.info(
+            "filter %s rebuilt from %d rows (capacity %d, at change %d)",
+            self.filter.name, rows, capacity, snapshot,
+        )  # fmt: skip
+
+    async def _abort(self) -> None:
+        # Writers never touch the staging copy: it goes without holding them off.
+        try:
+            await self.staging.drop()
+            await self.admin.delete(self.snapshot_key)
+        except Exception:
+            log.exception("could not clean up after a failed rebuild")
+
+
+async def _close(pages: AsyncIterator[list[str]]) -> None:
+    """End the database's iteration (its snapshot) now, not when it is garbage-collected."""
+    close = getattr(pages, "aclose", None)
+    if close is not None:
+        await close()
