@@ -199,6 +199,7 @@ class Follower:
         """Follow the log until cancelled; failures are logged once each and retried."""
         last_compaction = 0.0
         while True:
+            _stop_if_cancelled()
             try:
                 applied = await self.catch_up()
                 if time.monotonic() - last_compaction >= self.compact_every:
@@ -207,9 +208,11 @@ class Follower:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                _stop_if_cancelled()
                 await self._failed(exc)
                 await asyncio.sleep(RETRY_S)
                 continue
+            _stop_if_cancelled()
             if self.problem is not None:
                 log.info("filter %s follows the change log again (at %d)", self.cf.name, applied)
                 self.problem = None
@@ -227,3 +230,12 @@ class Follower:
                 await self.on_needs_rebuild(exc)
             except Exception as again:
                 log.warning("change feed: rebuild of %s failed: %r", self.cf.name, again)
+
+
+def _stop_if_cancelled() -> None:
+    """Raise the cancellation a Redis command swallowed: redis-py's asyncio client lets a
+    command that was cancelled run to its end and return normally (so that its connection
+    stays in step), and the task goes on with its cancellation pending."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

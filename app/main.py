@@ -17,7 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 
 from app import errors
-from app.db import Database, open_database
+from app.db import Database, DatabaseSetupError, open_database
 from app.deps import FilterHandles
 from app.feed import Follower
 from app.idempotency import Idempotency
@@ -158,7 +158,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         async with AsyncExitStack() as stack:
             clients = await stack.enter_async_context(open_redis(cfg))
             redis = clients.main
-            db = await open_database(cfg)
+            try:
+                db = await open_database(cfg)
+            except DatabaseSetupError as exc:
+                raise ConfigError(str(exc)) from None
             stack.push_async_callback(db.close)
             seeded = await db.seed(cfg.demo_records)
             if seeded:

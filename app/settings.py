@@ -11,6 +11,7 @@ from platformdirs import user_data_dir
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.db.base import IDENTIFIER, POSTGRES_SCHEMES, SQLITE_PREFIX, parse_columns
 from guard.connect import CLUSTER_SCHEMES
 from guard.names import NAME_PATTERN
 
@@ -80,8 +81,8 @@ class Settings(BaseSettings):
     # missing), or an existing one, whose record is a JSON object of GUARD_RECORDS_COLUMNS
     # (a JSON array or comma-separated names; "" = every column). The key column holds text
     # or integers and must be unique. docs/postgresql.md: what the change feed adds to it.
-    records_table: str = Field(default="records", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-    records_key_column: str = Field(default="key", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+    records_table: str = Field(default="records", pattern=f"^{IDENTIFIER.pattern}$")
+    records_key_column: str = Field(default="key", pattern=f"^{IDENTIFIER.pattern}$")
     records_columns: str = ""
     # The change log's tables are <prefix>_changes and <prefix>_feed.
     feed_prefix: str = Field(default="guard", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
@@ -158,6 +159,21 @@ class Settings(BaseSettings):
         if url and url != MEMORY_URL and (not sep or scheme.lower() not in REDIS_SCHEMES):
             raise ValueError(f"got {url!r}; it accepts {ACCEPTED_REDIS_URLS}")
         return url
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_database_url(cls, url: str) -> str:
+        if url and not url.startswith((SQLITE_PREFIX, *POSTGRES_SCHEMES)):
+            raise ValueError(
+                f"got {url!r}; it accepts {SQLITE_PREFIX}<path>, postgresql://... or postgres://..."
+            )
+        return url
+
+    @field_validator("records_columns")
+    @classmethod
+    def _column_names(cls, raw: str) -> str:
+        parse_columns(raw)  # a JSON array or a comma-separated list of plain SQL names
+        return raw
 
     @model_validator(mode="after")
     def _files_in_data_dir(self) -> Settings:

@@ -6,7 +6,10 @@ change log included.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from app.db.base import (
+    POSTGRES_SCHEMES,
     ChangeHook,
     Database,
     DatabaseSetupError,
@@ -16,7 +19,9 @@ from app.db.base import (
     parse_columns,
 )
 from app.db.sqlite import SQLiteDatabase, sqlite_path
-from app.settings import Settings
+
+if TYPE_CHECKING:  # app.settings checks its values with app.db.base: no import at run time
+    from app.settings import Settings
 
 __all__ = [
     "ChangeHook",
@@ -30,8 +35,6 @@ __all__ = [
     "sqlite_path",
     "table_spec",
 ]
-
-POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 
 def table_spec(settings: Settings) -> TableSpec:
@@ -51,12 +54,12 @@ async def open_database(
 
     Given Settings, the URL, latency and guarded table all come from them.
     """
-    if isinstance(settings_or_url, Settings):
+    if isinstance(settings_or_url, str):
+        url = settings_or_url
+    else:
         url = settings_or_url.database_url
         latency_ms = settings_or_url.db_latency_ms
         table = table_spec(settings_or_url)
-    else:
-        url = settings_or_url
     if url.startswith(POSTGRES_SCHEMES):
         from app.db.postgres import PostgresDatabase
 

@@ -20,6 +20,8 @@ from guard.changes import Change
 ChangeHook = Callable[[Change], Awaitable[None]]
 SnapshotHook = Callable[[int], Awaitable[None]]
 
+SQLITE_PREFIX = "sqlite:///"
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 MAX_SOURCE = 2**53 - 1  # a change log's identity fits a JSON number and a filter's header
 INT64 = range(-(2**63), 2**63)
@@ -183,7 +185,7 @@ def parse_columns(raw: str) -> tuple[str, ...]:
     )
     if not isinstance(names, list) or not all(isinstance(c, str) for c in names):
         raise DatabaseSetupError("GUARD_RECORDS_COLUMNS must list column names")
-    return tuple(names)
+    return tuple(identifier("GUARD_RECORDS_COLUMNS", c) for c in names)
 
 
 def integer_key(key: str) -> int | None:
@@ -214,6 +216,7 @@ def record_object(value: str, writable: tuple[str, ...], key_column: str) -> dic
         if name not in writable:
             raise RecordInputError(
                 ("body", "value", name),
-                f"is no column of the table; the columns are {', '.join(writable)}",
+                f"is not a column the service writes; it writes {', '.join(writable)} "
+                "(GUARD_RECORDS_COLUMNS)",
             )
     return obj

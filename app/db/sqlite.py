@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import secrets
+import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,6 +16,7 @@ import aiosqlite
 
 from app.db.base import (
     MAX_SOURCE,
+    SQLITE_PREFIX,
     ChangeHook,
     DatabaseSetupError,
     RecordInputError,
@@ -31,10 +33,9 @@ POLL_S = 0.015  # wait_for_change: SQLite has no notifications, so a cheap poll
 
 def sqlite_path(url: str) -> str:
     """`sqlite:///rel/path`, `sqlite:////abs/path` or `sqlite:///:memory:` → a path for sqlite3."""
-    prefix = "sqlite:///"
-    if not url.startswith(prefix):
-        raise ValueError(f"GUARD_DATABASE_URL must start with {prefix!r} (got {url!r})")
-    return url[len(prefix) :] or ":memory:"
+    if not url.startswith(SQLITE_PREFIX):
+        raise ValueError(f"GUARD_DATABASE_URL must start with {SQLITE_PREFIX!r} (got {url!r})")
+    return url[len(SQLITE_PREFIX) :] or ":memory:"
 
 
 @asynccontextmanager
@@ -255,7 +256,12 @@ class SQLiteDatabase:
             await self._query()
             names = ", ".join(quote(c) for c in (self.spec.key_column, *cols))
             marks = ", ".join("?" * (1 + len(cols)))
-            await conn.execute(f"INSERT INTO {self._t} ({names}) VALUES ({marks})", (k, *values))
+            try:
+                await conn.execute(
+                    f"INSERT INTO {self._t} ({names}) VALUES ({marks})", (k, *values)
+                )
+            except sqlite3.IntegrityError as exc:  # NOT NULL, CHECK, a foreign key
+                raise RecordInputError(("body", "value"), str(exc)) from exc
             await self._logged(conn, key, True, on_change)
             return True
 

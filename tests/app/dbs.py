@@ -11,19 +11,28 @@ import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from app.db import Database, TableSpec, open_database
+from devkit.postgres import temporary_database
 
 OpenDb = Callable[..., Awaitable[Database]]
 Other = Callable[[str], Awaitable[None]]
 
-DB_BACKENDS = ["sqlite"]
+DB_BACKENDS = ["sqlite", "postgres"]
+PG_PREFIX = "db16_"  # the databases these tests create on the shared server
 
 
 @pytest.fixture(params=DB_BACKENDS)
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path}/feed.db"
+async def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A fresh database of the backend: a SQLite file, or a PostgreSQL database of the
+    test's own (dropped after it; an unreachable server is an error, never a skip)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/feed.db"
+        return
+    async with temporary_database(PG_PREFIX) as url:
+        yield url
 
 
 @pytest.fixture
@@ -42,6 +51,16 @@ async def open_db(db_url: str) -> AsyncIterator[OpenDb]:
 
 @pytest.fixture
 def other(db_url: str) -> Other:
+    if not db_url.startswith("sqlite:"):
+
+        async def run_pg(sql: str) -> None:
+            conn = await asyncpg.connect(db_url)
+            try:
+                await conn.execute(sql)
+            finally:
+                await conn.close()
+
+        return run_pg
     path = db_url.removeprefix("sqlite:///")
 
     def run(sql: str) -> None:

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from app.db import SnapshotHook
 from tests.app.conftest import AUTH, Service, StartService
 
 # Fingerprints wide enough that two keys colliding in a test is out of the question, so
@@ -20,7 +21,7 @@ async def assert_one_copy_per_row(svc: Service) -> None:
     assert counts == [1] * len(keys)
     assert (await svc.records.filter.info()).items == len(keys)
     assert not await svc.records.staging.exists()
-    assert not await svc.redis.exists(svc.records._snapshot_flag, svc.records._journal)
+    assert not await svc.redis.exists(svc.records.rebuilder.snapshot_key)
 
 
 class TestRebuild:
@@ -110,19 +111,21 @@ class TestRebuild:
         store = svc.records
         await store.staging.reserve(10)
         await store.staging.insert("junk")
-        await svc.redis.set(store._snapshot_flag, b"1")
-        await svc.redis.rpush(store._journal, b"user-1")
+        await svc.redis.set(store.rebuilder.snapshot_key, 1)  # its snapshot's mark
         r = await svc.client.post("/filters/records/rebuild", headers=AUTH)
         assert r.status_code == 200
         assert await store.filter.count("junk") == 0
         assert await store.filter.count("user-1") == 1
         assert not await store.staging.exists()
+        assert not await svc.redis.exists(store.rebuilder.snapshot_key)
 
     async def test_failed_rebuild_leaves_live_filter_alone(self, svc: Service) -> None:
         store = svc.records
         before = await store.filter.info()
 
-        async def broken(batch_size: int, at_snapshot: object = None):  # type: ignore[no-untyped-def]
+        async def broken(batch_size: int, at_snapshot: SnapshotHook | None = None):  # type: ignore[no-untyped-def]
+            if at_snapshot is not None:
+                await at_snapshot(await store.db.newest_change())
             yield ["user-1"]
             raise RuntimeError("database went away")
 
@@ -131,8 +134,8 @@ class TestRebuild:
             await store.rebuild()
         assert await store.filter.info() == before
         assert not await store.staging.exists()
-        assert not await svc.redis.exists(store._snapshot_flag)
-        assert await svc.redis.get(store._rebuild_lock) is None  # lock released
+        assert not await svc.redis.exists(store.rebuilder.snapshot_key)
+        assert await svc.redis.get(store.rebuilder.lock_key) is None  # lock released
 
     async def test_filter_missing_until_first_build_blocks_nothing(
         self, start: StartService

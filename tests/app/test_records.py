@@ -9,6 +9,7 @@ import pytest
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from guard import CuckooFilter
+from guard.changes import ApplyResult, Change
 from tests.app.conftest import AUTH, Service, StartService
 
 
@@ -171,21 +172,21 @@ class TestFilterFollowsTable:
     ) -> None:
         """The commit fails after the key entered the filter: no row, and no fingerprint."""
         store, db = svc.records, svc.db
-        real_apply, writer = store._filters_apply, db._writer
+        real_apply, writer = store.writes._apply, db._writer
         real_commit = writer.commit
         inserted = False
 
-        async def apply(key: str, *, add: bool) -> None:
+        async def apply(change: Change, source: int) -> None:
             nonlocal inserted
-            await real_apply(key, add=add)
-            inserted = add
+            await real_apply(change, source)
+            inserted = change.insert
 
         async def commit() -> None:
             if inserted:
                 raise sqlite3.OperationalError("disk I/O error")
             await real_commit()
 
-        monkeypatch.setattr(store, "_filters_apply", apply)
+        monkeypatch.setattr(store.writes, "_apply", apply)
         monkeypatch.setattr(writer, "commit", commit)
         with pytest.raises(sqlite3.OperationalError):
             await store.put("doomed", 1)
@@ -208,15 +209,17 @@ class TestWriteWithoutAnswer:
     async def test_delete_in_doubt_keeps_the_row_findable(
         self, svc: Service, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        real_delete = CuckooFilter.delete
+        real_apply = CuckooFilter.apply_changes
 
-        async def delete_then_time_out(self: CuckooFilter, item: str) -> bool:
-            await real_delete(self, item)  # Redis ran it; its answer is lost
+        async def apply_then_time_out(
+            self: CuckooFilter, changes: list[Change], *, source: int
+        ) -> ApplyResult:
+            await real_apply(self, changes, source=source)  # Redis ran it; its answer is lost
             raise RedisTimeoutError("Timeout reading from socket")
 
-        monkeypatch.setattr(CuckooFilter, "delete", delete_then_time_out)
+        monkeypatch.setattr(CuckooFilter, "apply_changes", apply_then_time_out)
         r = await svc.client.delete("/records/user-5", headers=AUTH)
         assert r.status_code == 503  # the row was not deleted: that failure is true
-        monkeypatch.setattr(CuckooFilter, "delete", real_delete)
+        monkeypatch.setattr(CuckooFilter, "apply_changes", real_apply)
         got = await svc.client.get("/records/user-5")
         assert (got.status_code, got.headers["x-guard"]) == (200, "passed")  # not blocked

@@ -1,0 +1,364 @@
+"""PostgreSQL's own side of the change log: concurrent writers of other connections and
+processes, TRUNCATE, COPY, the barrier, the snapshot under writes, NOTIFY, key types.
+
+Each test has a database of its own on the machine's server (devkit/postgres.py); without a
+server they error, never skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from app.db import DatabaseSetupError, RecordInputError, TableSpec, open_database
+from app.db import postgres as pg_module
+from app.db.postgres import PostgresDatabase
+from devkit.postgres import temporary_database
+from guard.changes import Change
+from tests.app.dbs import PG_PREFIX
+
+
+@pytest.fixture
+async def url() -> AsyncIterator[str]:
+    async with temporary_database(PG_PREFIX) as u:
+        yield u
+
+
+@pytest.fixture
+async def db(url: str) -> AsyncIterator[PostgresDatabase]:
+    database = await open_database(url)
+    assert isinstance(database, PostgresDatabase)
+    yield database
+    await database.close()
+
+
+@pytest.fixture
+async def conns(url: str) -> AsyncIterator[list[asyncpg.Connection]]:
+    """Three connections of the user's application."""
+    opened = [await asyncpg.connect(url) for _ in range(3)]
+    yield opened
+    for c in opened:
+        await c.close()
+
+
+def replay(changes: list[Change]) -> set[str]:
+    """The key set the log describes, checking it is consecutive from id 1."""
+    live: set[str] = set()
+    for i, change in enumerate(changes, start=1):
+        assert change.id == i
+        if change.insert:
+            live.add(str(change.item))
+        else:
+            live.remove(str(change.item))
+    return live
+
+
+async def waiting_for_lock(watch: asyncpg.Connection, app: str | None = None) -> None:
+    """Return once a backend of this database (named `app`, if given) waits for a lock;
+    fail if none does within a generous bound (a broken lock must not hang the test)."""
+    for _ in range(3000):
+        if await watch.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND ($1::text IS NULL OR application_name = $1))",
+            app,
+        ):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no backend {app or ''} waited for a lock")
+
+
+class TestConcurrentWriters:
+    """Gapless ids, committed in id order, whoever writes."""
+
+    async def test_ids_stay_gapless_and_commit_in_order(
+        self, db: PostgresDatabase, conns: list[asyncpg.Connection]
+    ) -> None:
+        rng = random.Random(16)
+        done = False
+
+        async def writer(n: int, conn: asyncpg.Connection) -> None:
+            for i in range(40):
+                keys = [f"w{n}-{i}-{j}" for j in range(rng.randint(1, 3))]
+                async with conn.transaction():
+                    await conn.executemany(
+                        "INSERT INTO records (key, value) VALUES ($1, '1')", [(k,) for k in keys]
+                    )
+                    if i % 3 == 0:
+                        await conn.execute("DELETE FROM records WHERE key = $1", keys[0])
+                with pytest.raises(ZeroDivisionError):  # a transaction rolled back
+                    async with conn.transaction():
+                        await conn.execute("INSERT INTO records VALUES ($1, '1')", f"rb{n}-{i}")
+                        raise ZeroDivisionError
+
+        async def service_writer() -> None:
+            for i in range(40):
+                await db.put(f"s{i}", "1")
+                if i % 4 == 0:
+                    await db.delete(f"s{i}")
+
+        async def follower() -> list[Change]:
+            """Reads the log as it grows: every batch continues where the last one ended."""
+            seen: list[Change] = []
+            while True:
+                last_round = done
+                batch = await db.changes_after(seen[-1].id if seen else 0, 50)
+                for change in batch:
+                    assert change.id == (seen[-1].id + 1 if seen else 1)
+                    seen.append(change)
+                if last_round and not batch:
+                    return seen
+                await asyncio.sleep(0)
+
+        follow = asyncio.create_task(follower())
+        await asyncio.gather(*(writer(n, c) for n, c in enumerate(conns)), service_writer())
+        done = True
+        seen = await follow
+        rows = {r[0] for r in await conns[0].fetch("SELECT key FROM records")}
+        assert replay(seen) == rows and len(seen) == await db.newest_change()
+        assert not any(str(c.item).startswith("rb") for c in seen)
+
+
+class TestStatements:
+    """What each kind of statement logs."""
+
+    async def test_truncate_logs_a_delete_per_row(
+        self, db: PostgresDatabase, conns: list[asyncpg.Connection]
+    ) -> None:
+        await db.seed(10)
+        await conns[0].execute("TRUNCATE records")
+        changes = await db.changes_after(10, 100)
+        assert [c.id for c in changes] == list(range(11, 21))
+        assert not any(c.insert for c in changes)
+        assert replay(await db.changes_after(0, 100)) == set()
+        await conns[0].execute("TRUNCATE records")  # empty: nothing logged
+        assert await db.newest_change() == 20
+
+    async def test_copy_and_bulk_insert(
+        self, db: PostgresDatabase, conns: list[asyncpg.Connection]
+    ) -> None:
+        await conns[0].copy_records_to_table(
+            "records", records=[(f"c{i}", "1") for i in range(5000)], columns=["key", "value"]
+        )
+        await conns[1].execute(
+            "INSERT INTO records SELECT 'g' || g, '1' FROM generate_series(1, 5000) g"
+        )
+        await conns[2].execute("DELETE FROM records WHERE key LIKE 'c%'")
+        changes = await db.changes_after(0, 20_000)
+        assert replay(changes) == {f"g{i}" for i in range(1, 5001)}
+        assert len(changes) == 15_000
+
+    async def test_updates(self, db: PostgresDatabase, conns: list[asyncpg.Connection]) -> None:
+        await db.seed(4)
+        await conns[0].execute("UPDATE records SET value = '2'")  # no key changes
+        assert await db.newest_change() == 4
+        await conns[0].execute(
+            "UPDATE records SET key = key || '-x' WHERE key IN ('user-1', 'user-2')"
+        )
+        changes = await db.changes_after(4, 10)
+        assert len(changes) == 4 and replay(await db.changes_after(0, 100)) == {
+            "user-1-x",
+            "user-2-x",
+            "user-3",
+            "user-4",
+        }
+        # An upsert that updates logs nothing; one that inserts logs the insert.
+        await conns[0].execute(
+            "INSERT INTO records VALUES ('user-3', '9'), ('new', '1') "
+            "ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+        )
+        assert [(c.insert, c.item) for c in await db.changes_after(8, 10)] == [(True, "new")]
+
+
+class TestBarrierAndSnapshot:
+    """The write barrier holds off other connections and processes; the snapshot's id."""
+
+    async def test_barrier_holds_off_another_process(
+        self, db: PostgresDatabase, url: str, conns: list[asyncpg.Connection]
+    ) -> None:
+        env = {**os.environ, "PGAPPNAME": "db16-other-process"}
+        async with db.write_barrier():
+            psql = await asyncio.create_subprocess_exec(
+                "psql", url, "-qc", "INSERT INTO records VALUES ('p', '1')", env=env
+            )
+            await waiting_for_lock(conns[0], "db16-other-process")
+            assert psql.returncode is None
+            assert await db.newest_change() == 0
+        assert await psql.wait() == 0
+        assert [c.item for c in await db.changes_after(0, 10)] == ["p"]
+
+    async def test_barrier_waits_for_a_write_under_way(
+        self, db: PostgresDatabase, url: str, conns: list[asyncpg.Connection]
+    ) -> None:
+        writer = conns[1]
+        tx = writer.transaction()
+        await tx.start()
+        await writer.execute("INSERT INTO records VALUES ('a', '1')")
+        entered = asyncio.Event()
+
+        async def barrier() -> int:
+            async with db.write_barrier():
+                entered.set()
+                return await db.newest_change()
+
+        task = asyncio.create_task(barrier())
+        await waiting_for_lock(conns[0])  # the barrier's connection
+        assert not entered.is_set()
+        await tx.commit()
+        assert await task == 1  # it saw the write it waited for
+
+    async def test_snapshot_id_matches_keys_under_concurrent_writes(
+        self, db: PostgresDatabase, conns: list[asyncpg.Connection]
+    ) -> None:
+        await db.seed(200)
+        stop = asyncio.Event()
+
+        async def churn(n: int, conn: asyncpg.Connection) -> None:
+            i = 0
+            while not stop.is_set():
+                await conn.execute("INSERT INTO records VALUES ($1, '1')", f"c{n}-{i}")
+                await conn.execute("DELETE FROM records WHERE key = $1", f"user-{n * 100 + i}")
+                i += 1
+
+        writers = [asyncio.create_task(churn(n, c)) for n, c in enumerate(conns[:2])]
+        await asyncio.sleep(0.05)
+        db.latency = 0.05  # a remote database: the churn commits between any two statements
+        ids: list[int] = []
+
+        async def at(change_id: int) -> None:
+            ids.append(change_id)
+
+        keys: list[str] = []
+        async for batch in db.iter_keys(17, at):
+            keys.extend(batch)
+            await asyncio.sleep(0.01)  # the churn goes on while we page
+        stop.set()
+        await asyncio.gather(*writers)
+        (snapshot_id,) = ids
+        assert snapshot_id > 200  # the churn had written before the snapshot
+        assert await db.newest_change() > snapshot_id  # and after it
+        assert sorted(keys) == sorted(replay(await db.changes_after(0, snapshot_id)))
+
+    async def test_snapshot_holds_writers_off_only_while_it_is_taken(
+        self, db: PostgresDatabase, conns: list[asyncpg.Connection]
+    ) -> None:
+        await db.seed(30)
+        writes: list[int] = []
+
+        async def at(change_id: int) -> None:
+            writer = asyncio.create_task(conns[0].execute("INSERT INTO records VALUES ('w', '1')"))
+            await waiting_for_lock(conns[1])
+            writes.append(int(writer.done()))
+            self.writer = writer
+
+        keys = [k async for batch in db.iter_keys(10, at) for k in batch]
+        await self.writer
+        assert writes == [0] and "w" not in keys and len(keys) == 30
+
+
+class TestNotify:
+    """wait_for_change is woken by NOTIFY; a lost notification only delays."""
+
+    async def test_woken_by_notify(
+        self, db: PostgresDatabase, conns: list[asyncpg.Connection], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The poll sees nothing and comes only after an hour: only the NOTIFY can wake it.
+        monkeypatch.setattr(pg_module, "POLL_FALLBACK_S", 3600.0)
+        waiter = asyncio.create_task(db.wait_for_change(0, 3600))
+        await asyncio.sleep(0.05)
+
+        async def nothing() -> int:
+            return 0
+
+        monkeypatch.setattr(db, "newest_change", nothing)
+        await conns[0].execute("INSERT INTO records VALUES ('x', '1'), ('y', '1')")
+        assert await asyncio.wait_for(waiter, 60) is True
+        assert db._notified == 2
+
+    async def test_a_lost_listener_falls_back_to_polling(
+        self, db: PostgresDatabase, conns: list[asyncpg.Connection], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(pg_module, "POLL_FALLBACK_S", 0.02)
+        assert db._listener is not None
+        await conns[0].execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE query LIKE 'LISTEN%' AND datname = current_database()"
+        )
+        waiter = asyncio.create_task(db.wait_for_change(0, 3600))
+        await conns[0].execute("INSERT INTO records VALUES ('x', '1')")
+        assert await asyncio.wait_for(waiter, 60) is True
+        assert await db.wait_for_change(1, 0.05) is False  # listening again, or polling
+
+
+class TestTables:
+    """Key types, record columns, setup errors, installing twice."""
+
+    async def test_two_services_install_one_log(self, url: str) -> None:
+        a, b = await asyncio.gather(open_database(url), open_database(url))
+        try:
+            assert await a.feed_source() == await b.feed_source()
+            await a.put("k", "1")
+            assert await b.newest_change() == 1
+        finally:
+            await a.close()
+            await b.close()
+
+    async def test_uuid_keys(self, url: str, conns: list[asyncpg.Connection]) -> None:
+        await conns[0].execute("CREATE TABLE things (id uuid PRIMARY KEY, label text)")
+        key = "0b4e7a0e-5bd8-4b8c-9f1e-8a0a3c1d2e3f"
+        await conns[0].execute("INSERT INTO things VALUES ($1, 'one')", key)
+        db = await open_database(url, table=TableSpec("things", "id"))
+        try:
+            assert json.loads(await db.get(key) or "") == {"id": key, "label": "one"}
+            assert await db.get(key.upper()) is None and await db.get("nope") is None
+            with pytest.raises(RecordInputError) as bad:
+                await db.put("nope", '{"label": "x"}')
+            assert bad.value.loc == ("path", "key")
+            assert await db.delete("nope") is False and await db.delete(key) is True
+            assert [c.item for c in await db.changes_after(0, 10)] == [key]
+        finally:
+            await db.close()
+
+    async def test_bad_values_name_the_column(
+        self, url: str, conns: list[asyncpg.Connection]
+    ) -> None:
+        await conns[0].execute(
+            "CREATE TABLE users (id bigint PRIMARY KEY, email text NOT NULL, age int)"
+        )
+        db = await open_database(url, table=TableSpec("users", "id"))
+        try:
+            with pytest.raises(RecordInputError) as bad:
+                await db.put("1", '{"age": 3}')
+            assert bad.value.loc == ("body", "value", "email")
+            with pytest.raises(RecordInputError) as bad:
+                await db.put("1", '{"email": "a", "age": "old"}')
+            assert bad.value.loc[:2] == ("body", "value")
+            with pytest.raises(RecordInputError):
+                await db.put(str(2**63), '{"email": "a"}')
+            assert await db.put("1", '{"email": "a", "age": 3}') is True
+            assert await db.count() == 1 and await db.newest_change() == 1
+        finally:
+            await db.close()
+
+    async def test_setup_errors(self, url: str, conns: list[asyncpg.Connection]) -> None:
+        await conns[0].execute("CREATE TABLE loose (id int, name text)")
+        with pytest.raises(DatabaseSetupError, match="unique"):
+            await open_database(url, table=TableSpec("loose", "id"))
+        with pytest.raises(DatabaseSetupError, match="no table"):
+            await open_database(url, table=TableSpec("missing", "id"))
+        with pytest.raises(DatabaseSetupError, match="no column nick"):
+            await open_database(url, table=TableSpec("loose", "id", ("nick",)))
+
+    async def test_sample_keys_of_a_big_table(
+        self, db: PostgresDatabase, conns: list[asyncpg.Connection]
+    ) -> None:
+        await db.seed(20_000)
+        await conns[0].execute("ANALYZE records")
+        sample = await db.sample_keys(10)
+        assert len(set(sample)) == len(sample) and 1 <= len(sample) <= 10
+        assert set(sample) <= {f"user-{i}" for i in range(1, 20_001)}
