@@ -80,6 +80,10 @@ class FeedState:
     that found its own change already applied, cleared by a rebuild."""
 
     diverged: FilterDiverged | None = None
+    # Awaited with the filter's id whenever a replay starts from it, before it mends
+    # anything: the watchdog (app/watchdog.py) sees an id that went back (a filter restored
+    # from an older copy) that the replay would otherwise repair unnoticed.
+    observe: Callable[[int], Awaitable[None]] | None = None
 
 
 async def applied_of(cf: CuckooFilter) -> int:
@@ -91,7 +95,13 @@ async def applied_of(cf: CuckooFilter) -> int:
 
 
 async def replay(
-    cf: CuckooFilter, db: Database, source: int, *, batch: int, upto: int | None = None
+    cf: CuckooFilter,
+    db: Database,
+    source: int,
+    *,
+    batch: int,
+    upto: int | None = None,
+    observe: Callable[[int], Awaitable[None]] | None = None,
 ) -> int:
     """Apply the log's committed changes after ``cf``'s ``applied``, in batches, up to
     ``upto`` (None: until the log has no more); return the filter's ``applied``.
@@ -102,6 +112,8 @@ async def replay(
     this read the log again from the filter's id.
     """
     applied = await applied_of(cf)
+    if observe is not None:
+        await observe(applied)
     rereads = 0
     while upto is None or applied < upto:
         limit = batch if upto is None else min(batch, upto - applied)
@@ -175,7 +187,9 @@ class Follower:
         filter cannot follow the log."""
         if self.state.diverged is not None:
             raise self.state.diverged
-        self.applied = await replay(self.cf, self.db, await self.source(), batch=self.batch)
+        self.applied = await replay(
+            self.cf, self.db, await self.source(), batch=self.batch, observe=self.state.observe
+        )
         return self.applied
 
     async def compact(self) -> int:

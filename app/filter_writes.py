@@ -72,7 +72,14 @@ class FilterWrites:
         try:
             result = await self.cf.apply_changes([change], source=source)
             if result.gap:
-                await replay(self.cf, self.db, source, batch=self.batch, upto=change.id - 1)
+                await replay(
+                    self.cf,
+                    self.db,
+                    source,
+                    batch=self.batch,
+                    upto=change.id - 1,
+                    observe=self.state.observe,
+                )
                 result = await self.cf.apply_changes([change], source=source)
         except FilterNotFoundError:
             return  # no live filter yet (first build running) or dropped: blocks nothing

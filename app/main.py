@@ -80,6 +80,8 @@ async def _start_watchdog(
         ),
         metrics=metrics,
     )
+    # A replay about to mend a rolled-back filter shows the watchdog its id first.
+    store.state.observe = watchdog.observe
     await watchdog.start()
     stack.push_async_callback(_cancel, asyncio.create_task(watchdog.run()))
     return watchdog

@@ -194,6 +194,18 @@ class Watchdog:
             return
         await self._judge(newest, applied)
 
+    async def observe(self, applied: int) -> None:
+        """The filter's id as a replay (the follower's, a write's) read it before applying
+        anything: an id below the highest seen may be a filter rolled back, which the replay
+        is about to mend; judged now so the incident is counted and logged all the same.
+        Costs nothing in the normal case (no query)."""
+        if self.incident is None and applied < self._highest:
+            try:
+                newest = await self.db.newest_change()
+            except Exception:
+                return
+            await self._judge(newest, applied)
+
     async def _judge(self, newest: int, applied: int) -> None:
         now = self.clock()
         if newest > self._seen:
@@ -283,6 +295,12 @@ class Watchdog:
         async with self.db.write_barrier():
             newest = await self.db.newest_change()
             applied = await self.cf.applied_change()
+            # Not a window if the id went back (a filter restored from an older copy that
+            # the catch-up below would mend unnoticed): the watermark's verdict first.
+            if self.incident is None:
+                await self._judge(newest, applied)
+                if self.incident is not None:
+                    return INCONCLUSIVE
             if applied < newest and self.catch_up is not None:
                 with contextlib.suppress(NeedsRebuild):  # the watermark check names it
                     applied = await self.catch_up()

@@ -168,17 +168,19 @@ class Chaos:
 
     async def older_rdb(self, write: Write) -> float:
         """SAVE, `write` more rows, then Redis dies without saving and comes back from the
-        older file (as after a crash with RDB snapshots only)."""
+        older file (as after a crash with RDB snapshots only). The time returned is the
+        crash's: the restart is part of what follows."""
         with self.client() as c:
             c.save()
         await write()
+        lost = time.monotonic()
         with self.client() as c, contextlib.suppress(redis.ConnectionError):
             c.shutdown(nosave=True)
         await asyncio.to_thread(self.server.stop)
         self.server = await asyncio.to_thread(
             RedisProcess.start, port=self.port, workdir=str(self.folder)
         )
-        return time.monotonic()
+        return lost
 
     async def key_deleted(self) -> float:
         with self.client() as c:
@@ -304,8 +306,9 @@ class Failover:
             r.execute_command("REPLICAOF", "NO", "ONE")
         await write()
         self.proxy.switch(self.replica.port)
+        moved = time.monotonic()
         await asyncio.to_thread(self.primary.stop)
-        return time.monotonic()
+        return moved
 
     async def close(self) -> None:
         await self.proxy.close()

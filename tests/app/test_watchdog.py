@@ -250,11 +250,13 @@ class TestAudit:
     async def test_rows_not_yet_applied_are_no_miss(self, rig: Rig, other: Other) -> None:
         """Rows in the follower's window read absent; the confirmation under the write
         barrier applies what is committed first, and finds them."""
+        await rig.watchdog.start()
         await direct_insert(other, *[f"window-{i}" for i in range(ROWS)])
         assert await rig.watchdog.audit() == CLEAN
         assert rig.catch_ups == 1
 
     async def test_unconfirmed_without_a_follower(self, rig: Rig, other: Other) -> None:
         rig.watchdog.catch_up = None
+        await rig.watchdog.start()
         await direct_insert(other, *[f"window-{i}" for i in range(ROWS)])
         assert await rig.watchdog.audit() == INCONCLUSIVE
