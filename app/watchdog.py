@@ -15,7 +15,6 @@ docs/consistency.md.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -45,6 +44,9 @@ NEEDS_REBUILD = frozenset({MISSING, OTHER_SOURCE, DAMAGED, AUDIT_MISS, DIVERGED}
 CLEAN, MISS, INCONCLUSIVE = "clean", "miss", "inconclusive"
 MAX_BACKOFF_S = 5.0  # between failed repairs
 HISTORY = 100  # ended incidents kept (tests and the bench read them)
+# An audit miss is confirmed under the write barrier once the follower applied every change
+# committed: it is given this long (a follower that keeps up takes one poll, ~10-20 ms).
+CONFIRM_POLLS, CONFIRM_POLL_S = 20, 0.01
 
 
 class WatchedDatabase(Protocol):
@@ -288,22 +290,24 @@ class Watchdog:
         return result
 
     async def _confirm(self, keys: list[str]) -> str:
-        """A sampled key may read absent rightly: deleted since it was sampled, or inserted
+        """A sampled key may read absent rightly: deleted since it was sampled, inserted
         after the filter's last change (the follower's window), or a write in flight. Under
-        the write barrier there is none in flight and the filter can be brought up to the
-        newest change; a key still in the table that still reads absent is a miss."""
+        the write barrier none is in flight and the follower soon applies what is committed;
+        a key still in the table that still reads absent is then a miss. The watchdog does
+        not apply the log itself here: a follower that stopped must show as BEHIND."""
         async with self.db.write_barrier():
             newest = await self.db.newest_change()
             applied = await self.cf.applied_change()
-            # Not a window if the id went back (a filter restored from an older copy that
-            # the catch-up below would mend unnoticed): the watermark's verdict first.
             if self.incident is None:
+                # An id that went back is a rolled-back filter, not a window.
                 await self._judge(newest, applied)
                 if self.incident is not None:
                     return INCONCLUSIVE
-            if applied < newest and self.catch_up is not None:
-                with contextlib.suppress(NeedsRebuild):  # the watermark check names it
-                    applied = await self.catch_up()
+            for _ in range(CONFIRM_POLLS):  # writers are held off: a short wait at most
+                if applied >= newest:
+                    break
+                await asyncio.sleep(CONFIRM_POLL_S)
+                applied = await self.cf.applied_change()
             if applied < newest:
                 return INCONCLUSIVE  # the watermark check judges a filter left behind
             present = [k for k in keys if await self.db.get(k) is not None]

@@ -133,6 +133,62 @@ class Prober:
         return any(code == 200 and status == "degraded" for _, code, status in self.health)
 
 
+@dataclass
+class Outcome:
+    """A fault ridden out: when it happened, the watchdog's incident it opened (None: none
+    within the deadline), and every read made meanwhile."""
+
+    fault_at: float
+    incident: Any
+    prober: Prober
+
+    @property
+    def blocked_before_detection(self) -> list[Sample]:
+        """Present rows blocked after the fault, before the watchdog noticed: the filter
+        was still trusted then (the window each fault's detection time bounds)."""
+        end = self.incident.since if self.incident is not None else math.inf
+        return [s for s in self.prober.blocked(self.fault_at) if s.start < end]
+
+    @property
+    def blocked_while_stale(self) -> list[Sample]:
+        """Present rows blocked from the detection on: the guard must never do this."""
+        return [] if self.incident is None else self.prober.blocked(self.incident.since)
+
+
+async def until(condition: Callable[[], bool], what: str, deadline: float = 60.0) -> None:
+    """Wait (polling) until `condition()`; RuntimeError naming `what` after `deadline` s."""
+    give_up = time.monotonic() + deadline
+    while not condition():
+        if time.monotonic() > give_up:
+            raise RuntimeError(f"gave up waiting: {what}")
+        await asyncio.sleep(0.01)
+
+
+async def ride_out(
+    client: httpx.AsyncClient,
+    watchdog: Any,
+    keys: list[str],
+    fault: Callable[[Prober], Awaitable[float]],
+    *,
+    deadline: float = 60.0,
+    after: int = 100,
+) -> Outcome:
+    """Read `keys` (present rows) through the guard while `fault(prober)` happens (it returns
+    the fault's time and adds the rows it wrote to the prober); wait until the service's
+    watchdog opened an incident and trusted the filter again, then `after` more reads."""
+    await until(lambda: not watchdog.stale, "the filter trusted before the fault", deadline)
+    opened = watchdog.opened
+    async with Prober(client, list(keys)) as prober:
+        await until(lambda: len(prober.samples) > 20, "reads before the fault", deadline)
+        fault_at = await fault(prober)
+        await until(lambda: watchdog.opened > opened, "the fault detected", deadline)
+        await until(lambda: not watchdog.stale, "the filter repaired", deadline)
+        reads = len(prober.samples)
+        await until(lambda: len(prober.samples) > reads + after, "reads after", deadline)
+    incident = next((i for i in watchdog.history if i.since >= fault_at), None)
+    return Outcome(fault_at, incident, prober)
+
+
 def filter_keys(client: redis.Redis, prefix: str, name: str) -> list[str]:
     """The keys of a filter's sub-filters that exist (docs/format.md)."""
     base = base_key(prefix, name)

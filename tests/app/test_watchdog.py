@@ -11,13 +11,15 @@ rebuild.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
 
 from app.db import Database
-from app.feed import replay
+from app.feed import Follower, replay
+from app.settings import Settings
 from app.watchdog import (
     AUDIT_MISS,
     BEHIND,
@@ -248,15 +250,24 @@ class TestAudit:
         assert not rig.watchdog.stale and await rig.all_found()
 
     async def test_rows_not_yet_applied_are_no_miss(self, rig: Rig, other: Other) -> None:
-        """Rows in the follower's window read absent; the confirmation under the write
-        barrier applies what is committed first, and finds them."""
+        """Rows in the follower's window read absent; the confirmation, under the write
+        barrier, waits for the follower to apply what is committed, and finds them."""
         await rig.watchdog.start()
         await direct_insert(other, *[f"window-{i}" for i in range(ROWS)])
-        assert await rig.watchdog.audit() == CLEAN
-        assert rig.catch_ups == 1
+        follower = asyncio.create_task(Follower(rig.cf, rig.db, Settings()).run())
+        try:
+            assert await rig.watchdog.audit() == CLEAN
+        finally:
+            follower.cancel()
+        assert rig.watchdog.opened == 0
 
-    async def test_unconfirmed_without_a_follower(self, rig: Rig, other: Other) -> None:
-        rig.watchdog.catch_up = None
+    async def test_unconfirmed_while_the_follower_is_behind(self, rig: Rig, other: Other) -> None:
+        """No follower: the misses stay unconfirmed (the watchdog applies nothing itself),
+        and the watermark rule names the filter BEHIND once max_lag has passed."""
         await rig.watchdog.start()
         await direct_insert(other, *[f"window-{i}" for i in range(ROWS)])
         assert await rig.watchdog.audit() == INCONCLUSIVE
+        assert rig.catch_ups == 0 and not rig.watchdog.stale
+        rig.clock.now += MAX_LAG
+        await rig.watchdog.check()
+        assert rig.watchdog.incident is not None and rig.watchdog.incident.reason == BEHIND
