@@ -28,6 +28,7 @@ from bench import (
     cluster,
     core,
     core_report,
+    feed,
     outages,
     perf,
     perf_http,
@@ -203,6 +204,19 @@ def bulk_suite(a: argparse.Namespace) -> AbstractContextManager[Suite]:
     )
 
 
+def feed_suite(a: argparse.Namespace) -> AbstractContextManager[Suite]:
+    sizes = {**(feed.QUICK if a.quick else feed.FULL)}
+    if a.rows:
+        sizes["rebuild_rows"] = a.rows
+    return single_section(
+        "feed",
+        "Change feed: lag from commit to filter, and records rebuilds",
+        a.redis_url,
+        lambda t: feed.measure(t, pg_prefix=a.pg_prefix, **sizes),
+        feed.report,
+    )
+
+
 SUITES: dict[str, Entry] = {
     "core": Entry(
         "load at failure, false positives, memory and throughput on a real Redis",
@@ -235,6 +249,18 @@ SUITES: dict[str, Entry] = {
         options=(
             ("--items", {"type": int, "default": None, "help": "keys in the file (10M)"}),
             ("--sample", {"type": int, "default": None, "help": "keys for insert_many (200k)"}),
+        ),
+    ),
+    "feed": Entry(
+        "change feed: commit-to-filter lag on PostgreSQL at 100 and 1,000 writes/s, rebuilds",
+        feed_suite,
+        report="docs/bench-feed.md",
+        options=(
+            ("--rows", {"type": int, "default": None, "help": "rows rebuilt (1M)"}),
+            (
+                "--pg-prefix",
+                {"default": "bench_feed_", "help": "prefix of the PostgreSQL databases made"},
+            ),
         ),
     ),
     "reliability": Entry(

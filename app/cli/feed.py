@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from typing import Annotated
 
 import typer
@@ -47,11 +48,14 @@ def follow(
         logging.basicConfig(level=cfg.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(_follow(cfg, once=once, rebuild=rebuild))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, SIGTERM: a clean stop
         return
 
 
 async def _follow(cfg: Settings, *, once: bool, rebuild: bool) -> None:
+    task = asyncio.current_task()
+    if task is not None:  # SIGTERM (a service manager stopping us) ends the run as Ctrl-C does
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     async with open_redis(cfg) as clients:
         db = await open_database(cfg)
         try:

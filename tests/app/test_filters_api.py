@@ -431,7 +431,7 @@ class TestRecordsFilterIsManaged:
         assert (await svc.client.post("/filters/nope/rebuild", headers=AUTH)).status_code == 404
 
     async def test_concurrent_rebuild_is_409(self, svc: Service) -> None:
-        lock = svc.redis.lock(svc.records._rebuild_lock, timeout=10)
+        lock = svc.redis.lock(svc.records.rebuilder.lock_key, timeout=10)
         assert await lock.acquire(blocking=False)
         try:
             r = await svc.client.post("/filters/records/rebuild", headers=AUTH)

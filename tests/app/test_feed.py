@@ -1,0 +1,353 @@
+"""The records filter follows the change log: rows written by anyone, exactly once, through
+rebuilds and compaction. Each test runs on SQLite and on PostgreSQL (tests/app/dbs.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from app.db import SnapshotHook
+from app.feed import FilterDiverged, FilterMissing, OtherSource, ReplayImpossible
+from devkit.processes import stop_process
+from guard import CuckooFilter
+from guard.changes import ApplyResult, Change
+from tests.app.conftest import AUTH, Service, StartService
+from tests.app.dbs import Other
+
+# Fingerprints wide enough that two keys colliding in a test is out of the question, so
+# counts can be compared exactly; pages small enough that a rebuild reads several.
+EXACT = {"records_error_rate": 1e-6, "demo_records": 50, "rebuild_batch": 20}
+DEADLINE_S = 20.0  # how long a background follower may take before a test gives up
+
+
+@pytest.fixture
+def backend() -> str:
+    """Real Redis only: these tests are about the databases (fakeredis runs the library's)."""
+    return "redis"
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Wait for ``check()`` to hold (a background task's work), failing after DEADLINE_S."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE_S
+    while not await check():
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {DEADLINE_S} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+async def table_keys(svc: Service) -> list[str]:
+    return [k async for page in svc.db.iter_keys(1000) for k in page]
+
+
+async def assert_filter_is_table(svc: Service, gone: tuple[str, ...] = ()) -> None:
+    """One fingerprint per row, none for `gone`, nothing else; at the log's newest id."""
+    cf = svc.records.filter
+    keys = await table_keys(svc)
+    assert [await cf.count(k) for k in keys] == [1] * len(keys)
+    assert [await cf.count(k) for k in gone] == [0] * len(gone)
+    assert (await cf.info()).items == len(keys)
+    assert await cf.applied_change() == await svc.db.newest_change()
+
+
+async def caught_up(svc: Service) -> bool:
+    return await svc.records.filter.applied_change() == await svc.db.newest_change()
+
+
+async def start_on(start: StartService, db_url: str, **overrides: Any) -> Service:
+    return await start(**{**EXACT, "database_url": db_url, **overrides})
+
+
+class TestFollower:
+    """Rows written behind the service's back reach the filter."""
+
+    async def test_direct_writes_reach_the_filter(
+        self, start: StartService, db_url: str, other: Other
+    ) -> None:
+        svc = await start_on(start, db_url)
+        await other("INSERT INTO records (key, value) VALUES ('direct-1', '\"d\"')")
+        await other("DELETE FROM records WHERE key = 'user-3'")
+        await until(lambda: caught_up(svc), "the follower applied the direct writes")
+        got = await svc.client.get("/records/direct-1")
+        assert (got.status_code, got.headers["x-guard"]) == (200, "passed")
+        got = await svc.client.get("/records/user-3")
+        assert (got.status_code, got.headers["x-guard"]) == (404, "blocked")
+        await assert_filter_is_table(svc, gone=("user-3",))
+        assert svc.state["follower"].problem is None
+
+    async def test_replay_after_a_crash_applies_each_change_once(
+        self, start: StartService, db_url: str, other: Other, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        svc = await start_on(start, db_url, feed=False, feed_batch=7)
+        await other(
+            "INSERT INTO records (key, value) SELECT 'd-' || n, '0' FROM "
+            + ("generate_series(1, 40) AS g(n)" if "postgres" in db_url else _series(40))
+        )
+        await other("DELETE FROM records WHERE key IN ('d-3', 'd-9', 'user-1', 'user-2')")
+        await other("INSERT INTO records (key, value) VALUES ('d-3', '1')")  # back again
+        crashed = svc.records.follower()
+        real_apply = CuckooFilter.apply_changes
+        calls = 0
+
+        async def apply_then_die(
+            self: CuckooFilter, changes: list[Change], *, source: int
+        ) -> ApplyResult:
+            nonlocal calls
+            calls += 1
+            result = await real_apply(self, changes, source=source)
+            if calls == 3:  # Redis ran the batch; the follower died before hearing of it
+                raise RedisTimeoutError("Timeout reading from socket")
+            return result
+
+        monkeypatch.setattr(CuckooFilter, "apply_changes", apply_then_die)
+        with pytest.raises(RedisTimeoutError):
+            await crashed.catch_up()
+        monkeypatch.undo()
+        # The restarted follower, and a second one (another worker) at the same time.
+        store = svc.records
+        again = [store.follower(), store.follower()]
+        applied = await asyncio.gather(*(f.catch_up() for f in again))
+        assert applied == [await svc.db.newest_change()] * 2
+        await assert_filter_is_table(svc, gone=("d-9", "user-1", "user-2"))
+
+    async def test_service_write_applies_the_direct_writes_before_it(
+        self, start: StartService, db_url: str, other: Other
+    ) -> None:
+        svc = await start_on(start, db_url, feed=False)
+        await other("INSERT INTO records (key, value) VALUES ('behind', '1')")
+        await other("DELETE FROM records WHERE key = 'user-4'")
+        r = await svc.client.put("/records/mine", json={"value": 1}, headers=AUTH)
+        assert r.status_code == 201
+        await assert_filter_is_table(svc, gone=("user-4",))
+
+    async def test_guard_follow_process_applies_direct_writes(
+        self, make_settings: Callable[..., Any], db_url: str, other: Other
+    ) -> None:
+        cfg = make_settings(**{**EXACT, "database_url": db_url, "demo_records": 0})
+        env = {
+            **os.environ,
+            "GUARD_REDIS_URL": cfg.redis_url,
+            "GUARD_KEY_PREFIX": cfg.key_prefix,
+            "GUARD_DATABASE_URL": db_url,
+            "GUARD_RECORDS_ERROR_RATE": "1e-6",
+        }
+        await other(
+            "CREATE TABLE IF NOT EXISTS records (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
+        )
+        await other("INSERT INTO records (key, value) VALUES ('before', '1')")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "follow"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            from redis.asyncio import Redis
+
+            redis = Redis.from_url(cfg.redis_url)
+            cf = CuckooFilter(redis, cfg.records_filter, prefix=cfg.key_prefix)
+
+            async def found(key: str) -> bool:
+                assert proc.poll() is None, "guard follow exited"
+                return await cf.exists() and await cf.lookup(key)
+
+            await until(lambda: found("before"), "guard follow built the filter")
+            await other("INSERT INTO records (key, value) VALUES ('after', '1')")
+            await other("DELETE FROM records WHERE key = 'before'")
+            await until(lambda: _not(found("before")), "guard follow applied the delete")
+            assert await cf.count("after") == 1
+            await redis.aclose()
+        finally:
+            stop_process(proc)
+            out = proc.stdout.read().decode() if proc.stdout else ""
+        assert "following the change log" in out
+        assert proc.returncode == 0, out  # SIGTERM: a clean stop
+
+
+class TestWrites:
+    """A service write applies its own change; a rolled-back one leaves nothing."""
+
+    @pytest.mark.parametrize("insert", [True, False], ids=["put", "delete"])
+    async def test_rolled_back_write_leaves_the_filter_as_before(
+        self, start: StartService, db_url: str, insert: bool, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        svc = await start_on(start, db_url, feed=False)
+        store = svc.records
+        key = "doomed" if insert else "user-6"
+
+        async def state() -> tuple[int, int, int]:
+            cf = store.filter
+            return (await cf.info()).items, await cf.applied_change(), await cf.count(key)
+
+        before = await state()
+        real_apply = store.writes._apply
+
+        async def apply_then_fail(change: Change, source: int) -> None:
+            await real_apply(change, source)  # in the filter, inside the transaction
+            raise OSError("connection to the database lost")
+
+        monkeypatch.setattr(store.writes, "_apply", apply_then_fail)
+        with pytest.raises(OSError, match="lost"):
+            await (store.put(key, 1) if insert else store.delete(key))
+        monkeypatch.undo()
+        assert await state() == before
+        # The id went back to the database too; the next write takes it and is applied.
+        assert await store.put("next", 1)
+        assert await store.filter.applied_change() == before[1] + 1
+        await assert_filter_is_table(svc, gone=("doomed",))
+
+    async def test_write_finding_its_change_applied_flags_the_filter(
+        self, start: StartService, db_url: str
+    ) -> None:
+        """A rolled-back delete whose undo was lost: the next write gets its id again."""
+        svc = await start_on(start, db_url, feed=False)
+        store, source = svc.records, await svc.db.feed_source()
+        ghost = Change(await svc.db.newest_change() + 1, False, "user-9")
+        await store.filter.apply_changes([ghost], source=source)
+        r = await svc.client.put("/records/later", json={"value": 1}, headers=AUTH)
+        assert r.status_code == 201
+        assert (await svc.client.get("/records/later")).status_code == 200  # still findable
+        follower = store.follower()
+        with pytest.raises(FilterDiverged, match="rebuild"):
+            await follower.catch_up()
+        await store.rebuild()
+        assert await follower.catch_up() == await svc.db.newest_change()
+        await assert_filter_is_table(svc)
+
+
+class TestNeedsRebuild:
+    """What the follower cannot repair by replay, it names; a rebuild repairs it."""
+
+    async def test_missing_filter(self, start: StartService, db_url: str) -> None:
+        svc = await start_on(start, db_url, feed=False)
+        await svc.records.filter.drop()
+        follower = svc.records.follower()
+        with pytest.raises(FilterMissing):
+            await follower.catch_up()
+        await svc.records.rebuild()
+        await follower.catch_up()
+        await assert_filter_is_table(svc)
+
+    async def test_filter_of_another_log(self, start: StartService, db_url: str) -> None:
+        svc = await start_on(start, db_url, feed=False)
+        cf = svc.records.filter
+        await cf.drop()
+        await cf.reserve(1000, applied=1, source=(await svc.db.feed_source()) ^ 1)
+        with pytest.raises(OtherSource, match="follows change log"):
+            await svc.records.follower().catch_up()
+
+    async def test_log_compacted_past_an_older_copy(
+        self, start: StartService, db_url: str, other: Other
+    ) -> None:
+        svc = await start_on(start, db_url, feed=False, feed_retain=0)
+        cf, redis = svc.records.filter, svc.redis
+        older = await redis.dump(cf.key(0))
+        await other("INSERT INTO records (key, value) VALUES ('new-1', '1')")
+        await other("INSERT INTO records (key, value) VALUES ('new-2', '1')")
+        follower = svc.records.follower()
+        applied = await follower.catch_up()
+        assert await follower.compact() > 0
+        assert await svc.db.oldest_change() == applied + 1
+        await redis.restore(cf.key(0), 0, older, replace=True)  # Redis back from a snapshot
+        with pytest.raises(ReplayImpossible, match="compacted"):
+            await follower.catch_up()
+        await svc.records.rebuild()
+        await follower.catch_up()
+        await assert_filter_is_table(svc)
+
+
+class TestRebuild:
+    """Rebuilds from the bulk builder, brought up to date from the log."""
+
+    async def test_writes_during_a_rebuild_are_in_the_new_filter(
+        self, start: StartService, db_url: str, other: Other, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        svc = await start_on(start, db_url, feed=False)
+        store = svc.records
+
+        async def during() -> None:  # after the snapshot, before the promote
+            await other("INSERT INTO records (key, value) VALUES ('direct-add', '1')")
+            await other("DELETE FROM records WHERE key = 'user-7'")
+            assert await store.put("service-add", 1)
+            assert await store.delete("user-8")
+
+        monkeypatch.setattr(svc.db, "iter_keys", _pausing(svc.db.iter_keys, during))
+        await store.rebuild()
+        monkeypatch.undo()
+        for key in ("direct-add", "service-add"):
+            assert (await svc.client.get(f"/records/{key}")).status_code == 200
+        await assert_filter_is_table(svc, gone=("user-7", "user-8"))
+
+    async def test_compaction_keeps_the_retention_and_a_running_rebuilds_snapshot(
+        self, start: StartService, db_url: str, other: Other, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        svc = await start_on(start, db_url, feed=False, feed_retain=5)
+        store, db = svc.records, svc.db
+        for n in range(20):
+            await other(f"INSERT INTO records (key, value) VALUES ('a-{n}', '1')")
+        follower = store.follower()
+        applied = await follower.catch_up()
+        await follower.compact()
+        assert await db.oldest_change() == applied - 5 + 1
+        follower.retain = 0
+        snapshot_taken, go_on = asyncio.Event(), asyncio.Event()
+
+        async def during() -> None:
+            snapshot_taken.set()
+            await go_on.wait()
+
+        monkeypatch.setattr(db, "iter_keys", _pausing(db.iter_keys, during))
+        rebuild = asyncio.create_task(store.rebuild())
+        await snapshot_taken.wait()
+        snapshot = await store.rebuilder.pinned()
+        assert snapshot == applied
+        for n in range(10):
+            await other(f"INSERT INTO records (key, value) VALUES ('b-{n}', '1')")
+        assert await follower.catch_up() == applied + 10
+        await follower.compact()
+        assert await db.oldest_change() == snapshot + 1  # what the rebuild still needs
+        go_on.set()
+        await rebuild
+        assert await store.rebuilder.pinned() is None
+        await follower.compact()
+        assert await db.oldest_change() == applied + 10 + 1  # retain 0: all passed
+        await assert_filter_is_table(svc)
+
+
+def _pausing(
+    iter_keys: Callable[..., AsyncIterator[list[str]]], during: Callable[[], Awaitable[None]]
+) -> Callable[..., AsyncIterator[list[str]]]:
+    """``iter_keys`` that runs ``during()`` after its first page: between the snapshot and the
+    end of the build."""
+
+    async def pages(
+        batch_size: int, at_snapshot: SnapshotHook | None = None
+    ) -> AsyncIterator[list[str]]:
+        first = True
+        async for page in iter_keys(batch_size, at_snapshot):
+            yield page
+            if first:
+                first = False
+                await during()
+
+    return pages
+
+
+def _series(n: int) -> str:
+    """1..n as a SQLite table expression (PostgreSQL has generate_series)."""
+    return (
+        f"(WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {n}) "
+        "SELECT n FROM g) AS g"
+    )
+
+
+async def _not(check: Awaitable[bool]) -> bool:
+    return not await check
