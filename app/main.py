@@ -137,6 +137,38 @@ class ConfigErrorGate:
         raise ConfigError(self.problem)
 
 
+class ConfigErrorLine:
+    """A ConfigError found while the lifespan starts (a table the database lacks): its one
+    line instead of the traceback Starlette reports, as ConfigErrorGate does."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        failed: list[dict[str, Any]] = []
+
+        async def hold_failure(message: dict[str, Any]) -> None:
+            if message["type"] == "lifespan.startup.failed":
+                failed.append(message)  # sent once we know what raised
+            else:
+                await send(message)
+
+        try:
+            await self.app(scope, receive, hold_failure)
+        except ConfigError as exc:
+            await send({"type": "lifespan.startup.failed", "message": str(exc)})
+            raise
+        except BaseException:
+            for message in failed:
+                await send(message)
+            raise
+        for message in failed:
+            await send(message)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     problem: str | None = None
     if settings is None:
@@ -236,6 +268,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, guarded_route="/records/{key}")
     if problem is not None:
         app.add_middleware(ConfigErrorGate, problem=problem)
+    else:
+        app.add_middleware(ConfigErrorLine)
     return app
 
 

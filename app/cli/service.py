@@ -27,6 +27,7 @@ from app.cli.common import (
     settings,
     sync_redis,
 )
+from app.db import redacted_url
 from app.redis_conn import start_embedded
 from app.settings import Settings
 
@@ -65,7 +66,7 @@ def where(redis_url: RedisUrl = None) -> None:
     cfg = settings(redis_url=redis_url)
     console.print(f"redis: {describe_redis(cfg)}", markup=False, highlight=False)
     console.print(f"data directory: {cfg.data_dir}", markup=False, highlight=False)
-    console.print(f"database: {cfg.database_url}", markup=False, highlight=False)
+    console.print(f"database: {redacted_url(cfg.database_url)}", markup=False, highlight=False)
 
 
 def _free_port(port: int = 0) -> int:

@@ -17,6 +17,7 @@ from app.db.base import (
     SnapshotHook,
     TableSpec,
     parse_columns,
+    redacted_url,
 )
 from app.db.sqlite import SQLiteDatabase, sqlite_path
 
@@ -32,6 +33,7 @@ __all__ = [
     "SnapshotHook",
     "TableSpec",
     "open_database",
+    "redacted_url",
     "sqlite_path",
     "table_spec",
 ]

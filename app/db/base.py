@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 from guard.changes import Change
 
@@ -28,7 +29,12 @@ INT64 = range(-(2**63), 2**63)
 
 
 class Database(Protocol):
-    """A guarded table with a change log (SQLite or PostgreSQL)."""
+    """A guarded table with a change log (SQLite or PostgreSQL).
+
+    Inside a hook or a write_barrier() block, read the log (changes_after, newest_change, ...)
+    but never write (put, delete, compact): on SQLite that write would wait for the very
+    transaction it runs in.
+    """
 
     # Statements sent for the records (get/put/delete/count/seed/iter_keys): tests assert a
     # blocked read adds none. The change feed's own statements, which a follower and the
@@ -119,6 +125,15 @@ class RecordInputError(ValueError):
 
 class DatabaseSetupError(ValueError):
     """The settings name a table or column the database does not have, or cannot guard."""
+
+
+def redacted_url(url: str) -> str:
+    """A database URL fit to print: its password replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def identifier(setting: str, name: str) -> str:

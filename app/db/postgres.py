@@ -41,6 +41,7 @@ from app.db.base import (
     integer_key,
     quote,
     record_object,
+    redacted_url,
 )
 from guard.changes import Change
 
@@ -77,9 +78,11 @@ BEGIN
 END"""
 
     def function(name: str, body: str) -> str:
+        # The names in the body resolve as at install time, whatever search_path the
+        # writer's session has (an application writing sales.users from `public`).
         return (
             f"CREATE OR REPLACE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql "
-            f"AS $guard${body}$guard$"
+            f"SET search_path FROM CURRENT AS $guard${body}$guard$"
         )
 
     update_body = f"""
@@ -156,32 +159,41 @@ class PostgresDatabase:
         self._pool: asyncpg.Pool | None = None
         self._feed_pool: asyncpg.Pool | None = None
         self._listener: asyncpg.Connection | None = None
-        self._notified = 0  # the newest id a NOTIFY announced
-        self._woken = asyncio.Event()
+        self._woken = asyncio.Event()  # set, and replaced, by each NOTIFY
+        self.notifications = 0
         self._t, self._k = quote(self.spec.table), quote(self.spec.key_column)
         self._feed_t, self._changes_t = quote(self.spec.feed), quote(self.spec.changes)
         self._select = ""
         self._key_sql = "$1"
+        self._match = ""
 
     # ---- setup -------------------------------------------------------------------------
 
     async def connect(self) -> None:
-        self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self._pool_size)
-        self._feed_pool = await asyncpg.create_pool(
-            self.url, min_size=1, max_size=self._feed_pool_size
-        )
+        try:
+            self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self._pool_size)
+            self._feed_pool = await asyncpg.create_pool(
+                self.url, min_size=1, max_size=self._feed_pool_size
+            )
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            await self.close()
+            raise DatabaseSetupError(
+                f"GUARD_DATABASE_URL: cannot connect to {redacted_url(self.url)}: {exc}"
+            ) from exc
         try:
             async with self._pool.acquire() as conn, conn.transaction():
                 # Two services starting at once install the log once.
                 await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", self.spec.feed)
-                if self.spec.own:
+                # Only when missing: even IF NOT EXISTS needs CREATE on the schema.
+                if self.spec.own and await conn.fetchval("SELECT to_regclass('records') IS NULL"):
                     await conn.execute(
                         "CREATE TABLE IF NOT EXISTS records "
                         "(key text PRIMARY KEY, value text NOT NULL)"
                     )
                 await self._describe_table(conn)
-                for statement in _install_sql(self.spec):
-                    await conn.execute(statement)
+                if not await self._installed(conn):
+                    for statement in _install_sql(self.spec):
+                        await conn.execute(statement)
                 await conn.execute(
                     f"INSERT INTO {self._feed_t} (source, last_id) SELECT $1, 0 "
                     f"WHERE NOT EXISTS (SELECT 1 FROM {self._feed_t})",
@@ -234,6 +246,8 @@ class PostgresDatabase:
         match = f"{self._k} = {self._key_sql}"
         if self._key_sql.startswith("$1::text::"):
             match += f" AND {self._k}::text = $1"
+        # A delete's hook names the key as given: it must be the spelling the log holds.
+        self._match = match
         if spec.own:
             self._select = f"SELECT value FROM records WHERE {match}"
         else:
@@ -243,13 +257,30 @@ class PostgresDatabase:
                 f"SELECT row_to_json(r)::text FROM (SELECT {cols} FROM {self._t} WHERE {match}) r"
             )
 
+    async def _installed(self, conn: asyncpg.Connection) -> bool:
+        """Whether the log's tables and the four triggers are there: then a start needs no
+        DDL, so the service's user needs no more than reads and writes of the tables."""
+        names = [self.spec.trigger(w) for w in ("insert", "delete", "update", "truncate")]
+        return bool(
+            await conn.fetchval(
+                "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL "
+                "AND (SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass($3) "
+                "AND tgname = ANY($4::text[])) = 4",
+                self._changes_t,
+                self._feed_t,
+                self._t,
+                names,
+            )
+        )
+
     async def _listen(self) -> None:
         self._listener = await asyncpg.connect(self.url)
         await self._listener.add_listener(self.spec.channel, self._on_notify)
 
-    def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
-        with contextlib.suppress(ValueError):
-            self._notified = max(self._notified, int(payload))
+    def _on_notify(self, _conn: Any, _pid: int, _channel: str, _payload: str) -> None:
+        # Only a wake-up: the waiter reads the counter itself, so a log that was reset (ids
+        # starting again) cannot be mistaken for one that moved on.
+        self.notifications += 1
         woken, self._woken = self._woken, asyncio.Event()
         woken.set()
 
@@ -387,9 +418,7 @@ class PostgresDatabase:
         async with self._records().acquire() as conn, conn.transaction():
             await self._query()
             try:
-                status = await conn.execute(
-                    f"DELETE FROM {self._t} WHERE {self._k} = {self._key_sql}", k
-                )
+                status = await conn.execute(f"DELETE FROM {self._t} WHERE {self._match}", k)
             except asyncpg.DataError:
                 return False
             if status == "DELETE 0":
@@ -500,7 +529,7 @@ class PostgresDatabase:
         deadline = loop.time() + timeout
         while True:
             woken = self._woken  # before the read: a NOTIFY during it still wakes us
-            if self._notified > after or await self.newest_change() > after:
+            if await self.newest_change() > after:
                 return True
             left = deadline - loop.time()
             if left <= 0:
@@ -509,8 +538,6 @@ class PostgresDatabase:
                 await self._relisten()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(woken.wait(), min(left, POLL_FALLBACK_S))
-            if self._notified > after:
-                return True
 
     async def _relisten(self) -> None:
         try:

@@ -36,6 +36,14 @@ async def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
 
 
 @pytest.fixture
+async def pg_url() -> AsyncIterator[str]:
+    """A PostgreSQL database of the test's own (request it before `start`, so the service
+    stops before the database is dropped)."""
+    async with temporary_database(PG_PREFIX) as url:
+        yield url
+
+
+@pytest.fixture
 async def open_db(db_url: str) -> AsyncIterator[OpenDb]:
     opened: list[Database] = []
 

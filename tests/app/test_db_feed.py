@@ -82,6 +82,50 @@ class TestLog:
                 live.remove(str(change.item))
         assert live == {k async for batch in db.iter_keys(7) for k in batch}
 
+    async def test_concurrent_writers_leave_no_gap(self, open_db: OpenDb, other: Other) -> None:
+        """The service and other connections write at once; a reader of the log never sees
+        an id before an earlier one is committed, and rolled-back writes take no id."""
+        db = await open_db()
+        done = False
+
+        async def fail(change: Change) -> None:
+            raise RuntimeError("rolled back")
+
+        async def service() -> None:
+            for i in range(30):
+                await db.put(f"s{i}", "1")
+                with pytest.raises(RuntimeError):
+                    await db.put(f"rb{i}", "1", fail)
+
+        async def direct(n: int) -> None:
+            for i in range(30):
+                await other(f"INSERT INTO records (key, value) VALUES ('d{n}-{i}', '1')")
+                if i % 3 == 0:
+                    await other(f"DELETE FROM records WHERE key = 'd{n}-{i}'")
+
+        async def follower() -> list[Change]:
+            seen: list[Change] = []
+            while True:
+                last_round = done
+                batch = await db.changes_after(seen[-1].id if seen else 0, 25)
+                assert [c.id for c in batch] == list(
+                    range(len(seen) + 1, len(seen) + 1 + len(batch))
+                )
+                seen.extend(batch)
+                if last_round and not batch:
+                    return seen
+                await asyncio.sleep(0)
+
+        follow = asyncio.create_task(follower())
+        await asyncio.gather(service(), direct(1), direct(2))
+        done = True
+        seen = await follow
+        live: set[str] = set()
+        for change in seen:
+            (live.add if change.insert else live.remove)(str(change.item))
+        assert live == {k async for batch in db.iter_keys(50) for k in batch}
+        assert len(seen) == await db.newest_change() == 30 + 2 * (30 + 10)
+
     async def test_source_is_made_once(self, open_db: OpenDb) -> None:
         db = await open_db()
         source = await db.feed_source()

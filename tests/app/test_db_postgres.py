@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import random
+import uuid
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -267,18 +268,14 @@ class TestNotify:
     async def test_woken_by_notify(
         self, db: PostgresDatabase, conns: list[asyncpg.Connection], monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        # The poll sees nothing and comes only after an hour: only the NOTIFY can wake it.
+        # The fallback poll comes only after an hour: only the NOTIFY can wake the waiter.
         monkeypatch.setattr(pg_module, "POLL_FALLBACK_S", 3600.0)
         waiter = asyncio.create_task(db.wait_for_change(0, 3600))
         await asyncio.sleep(0.05)
-
-        async def nothing() -> int:
-            return 0
-
-        monkeypatch.setattr(db, "newest_change", nothing)
+        assert not waiter.done()
         await conns[0].execute("INSERT INTO records VALUES ('x', '1'), ('y', '1')")
-        assert await asyncio.wait_for(waiter, 60) is True
-        assert db._notified == 2
+        assert await asyncio.wait_for(waiter, 60) is True  # the bound only stops a hang
+        assert db.notifications == 1  # one statement, one NOTIFY
 
     async def test_a_lost_listener_falls_back_to_polling(
         self, db: PostgresDatabase, conns: list[asyncpg.Connection], monkeypatch: pytest.MonkeyPatch
@@ -308,6 +305,49 @@ class TestTables:
             await a.close()
             await b.close()
 
+    async def test_a_later_start_needs_no_ddl(
+        self, url: str, conns: list[asyncpg.Connection]
+    ) -> None:
+        """Once installed, a user with only reads and writes of the tables can start it."""
+        await conns[0].execute("CREATE TABLE users (id bigint PRIMARY KEY, name text)")
+        first = await open_database(url, table=TableSpec("users", "id"))
+        await first.close()
+        role = f"db16_writer_{uuid.uuid4().hex[:8]}"  # roles are shared by every database
+        await conns[0].execute(
+            f"CREATE ROLE {role} LOGIN; "
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON users, guard_changes, guard_feed TO {role}"
+        )
+        try:
+            writer_url = url.replace("postgresql://postgres@", f"postgresql://{role}@")
+            db = await open_database(writer_url, table=TableSpec("users", "id"))
+            try:
+                assert await db.put("1", '{"name": "Ann"}') is True
+                assert [c.item for c in await db.changes_after(0, 10)] == ["1"]
+            finally:
+                await db.close()
+        finally:
+            await conns[0].execute(
+                f"REVOKE ALL ON users, guard_changes, guard_feed FROM {role}; DROP ROLE {role}"
+            )
+
+    async def test_a_table_of_another_schema(
+        self, url: str, conns: list[asyncpg.Connection]
+    ) -> None:
+        """The service finds it by search_path; writers with another search_path are logged."""
+        await conns[0].execute("CREATE SCHEMA sales")
+        await conns[0].execute("CREATE TABLE sales.orders (id bigint PRIMARY KEY, total int)")
+        db = await open_database(f"{url}?search_path=sales", table=TableSpec("orders", "id"))
+        try:
+            await conns[1].execute("INSERT INTO sales.orders VALUES (1, 10)")  # from public
+            await conns[1].execute("TRUNCATE sales.orders")
+            assert [(c.insert, c.item) for c in await db.changes_after(0, 10)] == [
+                (True, "1"),
+                (False, "1"),
+            ]
+            assert await conns[1].fetchval("SELECT count(*) FROM sales.guard_changes") == 2
+        finally:
+            await db.close()
+
     async def test_uuid_keys(self, url: str, conns: list[asyncpg.Connection]) -> None:
         await conns[0].execute("CREATE TABLE things (id uuid PRIMARY KEY, label text)")
         key = "0b4e7a0e-5bd8-4b8c-9f1e-8a0a3c1d2e3f"
@@ -319,7 +359,8 @@ class TestTables:
             with pytest.raises(RecordInputError) as bad:
                 await db.put("nope", '{"label": "x"}')
             assert bad.value.loc == ("path", "key")
-            assert await db.delete("nope") is False and await db.delete(key) is True
+            assert await db.delete("nope") is False and await db.delete(key.upper()) is False
+            assert await db.delete(key) is True
             assert [c.item for c in await db.changes_after(0, 10)] == [key]
         finally:
             await db.close()
@@ -353,6 +394,12 @@ class TestTables:
             await open_database(url, table=TableSpec("missing", "id"))
         with pytest.raises(DatabaseSetupError, match="no column nick"):
             await open_database(url, table=TableSpec("loose", "id", ("nick",)))
+
+    async def test_an_unknown_database_is_one_line_without_the_password(self, url: str) -> None:
+        missing = url.replace("postgresql://postgres@", "postgresql://postgres:s3cret@") + "_gone"
+        with pytest.raises(DatabaseSetupError, match="does not exist") as bad:
+            await open_database(missing)
+        assert "s3cret" not in str(bad.value) and "postgres:***@" in str(bad.value)
 
     async def test_sample_keys_of_a_big_table(
         self, db: PostgresDatabase, conns: list[asyncpg.Connection]

@@ -12,7 +12,8 @@ USERS = "CREATE TABLE users (id bigint PRIMARY KEY, email text NOT NULL, name te
 
 
 @pytest.fixture
-async def users(start: StartService, db_url: str, other: Other) -> Service:
+async def users(db_url: str, other: Other, start: StartService) -> Service:
+    # The database first: set up before the service, dropped after it stopped.
     await other(USERS)
     await other("INSERT INTO users VALUES (1, 'a@example.com', 'Ann'), (2, 'b@example.com', 'Bob')")
     return await start(
@@ -66,3 +67,20 @@ class TestExistingTable:
         assert r.status_code == 422
         assert r.json()["detail"][0]["loc"][: len(loc)] == loc
         assert await users.db.count() == 2
+
+
+class TestOwnTable:
+    """The service's own records table, on each database: the demo rows, writes, a rebuild."""
+
+    async def test_records_round_trip(self, db_url: str, start: StartService) -> None:
+        svc = await start(database_url=db_url, demo_records=50)
+        assert (await svc.client.get("/records/user-7")).json()["value"] == "value-7"
+        r = await svc.client.put("/records/new", json={"value": {"a": [1]}}, headers=AUTH)
+        assert r.status_code == 201
+        assert (await svc.client.get("/records/new")).json()["value"] == {"a": [1]}
+        assert (await svc.client.delete("/records/user-7", headers=AUTH)).status_code == 204
+        await svc.records.rebuild()
+        assert (await svc.client.get("/records/new")).status_code == 200
+        r = await svc.client.get("/records/user-7")
+        assert r.status_code == 404 and r.headers["X-Guard"] == "blocked"
+        assert await svc.db.newest_change() == 50 + 2

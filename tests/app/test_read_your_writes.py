@@ -82,3 +82,10 @@ async def test_get_after_put_does_not_join_a_load_from_before_it(svc: Service) -
     assert (await late).json() == {"key": "user-3", "value": "new"}
     assert (await early).json()["value"] in ("value-3", "new")  # it overlapped the write
     assert (await svc.client.get("/records/user-3")).json()["value"] == "new"  # not cached old
+
+
+async def test_read_your_writes_on_postgresql(pg_url: str, start: StartService) -> None:
+    """The same on PostgreSQL, whose reads and writes spread over a pool of connections."""
+    svc = await start(database_url=pg_url, cache_ttl=0.05, negative_ttl=0.05, redis_timeout=2.0)
+    stale = await _run(svc)
+    assert stale == [], f"{len(stale)} of {WRITERS * WRITES_EACH} reads were stale: {stale[:5]}"

@@ -95,6 +95,19 @@ class TestSettings:
             "accepts 16+ characters that are not a placeholder such as 'change-me'",
         ),
         (
+            {"GUARD_DATABASE_URL": "mysql://db/shop"},
+            "invalid setting GUARD_DATABASE_URL: got 'mysql://db/shop'; it accepts "
+            "sqlite:///<path>, postgresql://... or postgres://...",
+        ),
+        (
+            {
+                "GUARD_REDIS_URL": "memory://",
+                "GUARD_RECORDS_TABLE": "users",
+                "GUARD_RECORDS_KEY_COLUMN": "id",
+            },
+            "GUARD_RECORDS_TABLE: no table 'users'",
+        ),
+        (
             {"GUARD_FAIL_OPEN": "banana"},
             "invalid setting GUARD_FAIL_OPEN: Input should be a valid boolean, unable to "
             "interpret input (got 'banana')",

@@ -311,6 +311,12 @@ class TestWhere:
         assert f"embedded redis-server, data in {tmp_path / 'share' / 'redis.rdb'}" in out
         assert f"sqlite:///{tmp_path / 'share' / 'records.db'}" in out
 
+    def test_where_hides_the_database_password(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("GUARD_DATABASE_URL", "postgresql://shop:s3cret@db:5432/shop")
+        code, out, _ = guard("where")
+        assert code == 0
+        assert "database: postgresql://shop:***@db:5432/shop" in out and "s3cret" not in out
+
     def test_default_data_dir_is_per_user(self, tmp_path: Path) -> None:
         """Without GUARD_DATA_DIR: the user's XDG data directory, not ./data."""
         run = run_module("app.cli", "where", env=clean_env(XDG_DATA_HOME=str(tmp_path / "xdg")))

@@ -15,15 +15,19 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import asyncpg
 import httpx
 import pytest
 import typer
 import yaml
 
 from app.cli import cli
+from app.db import open_database
 from app.settings import Settings
 from devkit.keys import delete_prefixed_at
+from devkit.postgres import temporary_database
 from devkit.processes import free_port
 from devkit.redis_server import RedisProcess, reachable
 
@@ -132,6 +136,40 @@ class TestCompose:
         Settings(**{k.removeprefix("GUARD_").lower(): v for k, v in env.items()})
         assert g["healthcheck"]["test"][1:] == healthcheck_cmd()
 
+    def test_postgres_service_with_a_table_of_its_own(self) -> None:
+        c = compose()
+        p = c["services"]["postgres"]
+        assert p["image"].startswith("postgres:")
+        assert p["healthcheck"]["test"][1] == "pg_isready"
+        data, init = p["volumes"]
+        assert data.split(":")[0] in c["volumes"]
+        source, target, _mode = init.split(":")
+        assert (ROOT / source).is_file() and target.startswith("/docker-entrypoint-initdb.d/")
+
+    def test_guard_pg_fronts_the_postgres_table(self) -> None:
+        c = compose()
+        g, guard = c["services"]["guard-pg"], c["services"]["guard"]
+        assert {s: d["condition"] for s, d in g["depends_on"].items()} == {
+            "redis": "service_healthy",
+            "postgres": "service_healthy",
+        }
+        env = compose_env("guard-pg")
+        assert set(env) <= SETTINGS, set(env) - SETTINGS
+        settings = Settings(**{k.removeprefix("GUARD_").lower(): v for k, v in env.items()})
+        # Both guards share the one Redis: their filters and keys must not meet.
+        other = Settings(
+            **{k.removeprefix("GUARD_").lower(): v for k, v in compose_env("guard").items()}
+        )
+        assert settings.key_prefix != other.key_prefix
+        assert g["ports"][0].split(":")[0] != guard["ports"][0].split(":")[0]
+        pg = compose_env("postgres")
+        url = urlsplit(settings.database_url)
+        assert (url.scheme, url.hostname, url.username, url.password, url.path) == (
+            "postgresql", "postgres", pg["POSTGRES_USER"], pg["POSTGRES_PASSWORD"],
+            "/" + pg["POSTGRES_DB"],
+        )  # fmt: skip
+        assert g["healthcheck"]["test"][1:] == healthcheck_cmd()
+
     def test_attack_profile_runs_a_real_command(self) -> None:
         a = compose()["services"]["attack"]
         assert a["profiles"] == ["attack"]
@@ -141,6 +179,29 @@ class TestCompose:
         assert argv[:2] == ["guard", "attack"]
         assert argv[argv.index("--url") + 1] == "http://guard:8000"
         parse_cli(argv)
+
+
+async def test_guard_pg_settings_front_the_init_table() -> None:
+    """deploy/postgres/init.sql run in a database of its own, opened with guard-pg's settings:
+    the table the guard did not create is read, and a row written beside it is logged."""
+    init = compose()["services"]["postgres"]["volumes"][1].split(":")[0]
+    env = {k.removeprefix("GUARD_").lower(): v for k, v in compose_env("guard-pg").items()}
+    async with temporary_database("db16_deploy_") as url:
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute((ROOT / init).read_text())
+            db = await open_database(Settings(**{**env, "database_url": url}))
+            try:
+                assert await db.count() == 10_000
+                assert json.loads(await db.get("7") or "{}") == {
+                    "id": 7, "email": "user7@example.com", "name": "User 7",
+                }  # fmt: skip
+                await conn.execute("INSERT INTO users VALUES (10001, 'new@example.com', 'N')")
+                assert [c.item for c in await db.changes_after(0, 10)] == ["10001"]
+            finally:
+                await db.close()
+        finally:
+            await conn.close()
 
 
 @pytest.fixture
