@@ -207,6 +207,7 @@ class Chaos:
         self.name = name
         self.port = free_port()
         self.server = RedisProcess.start(port=self.port, workdir=str(folder))
+        self.back_at: float | None = None  # when a restarted server answered again
 
     @property
     def url(self) -> str:
@@ -236,6 +237,7 @@ class Chaos:
         self.server = await asyncio.to_thread(
             RedisProcess.start, port=self.port, workdir=str(self.folder)
         )
+        self.back_at = time.monotonic()
         return lost
 
     async def key_deleted(self) -> float:

@@ -13,6 +13,7 @@ holds every row (zero false negatives). Durations are not asserted; deadlines ar
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
@@ -20,12 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 
 from app.settings import Settings
 from app.watchdog import AUDIT_MISS, BEHIND, MISSING, ROLLED_BACK, Incident, Watchdog
-from devkit.chaos import Chaos, Failover, InProcess, Prober, in_process
+from devkit.chaos import Chaos, Failover, InProcess, Prober, in_process, ride_out, until
+from devkit.postgres import temporary_database
 from devkit.service import API_KEY, AUTH
 
 DEMO_ROWS = 200
@@ -40,6 +43,9 @@ FAST = {
     "redis_cooldown": 0.1,
 }
 DEADLINE_S = 60.0
+PG_PREFIX = "watch16_"  # the databases these tests create on the shared PostgreSQL
+# The faults where the database of record matters run on both; the others on SQLite.
+BOTH_DATABASES = pytest.mark.parametrize("database", ["sqlite", "postgres"], indirect=True)
 
 
 @dataclass
@@ -70,7 +76,38 @@ Start = Callable[..., Awaitable[Guarded]]
 
 
 @pytest.fixture
-async def start(tmp_path: Path) -> AsyncIterator[Start]:
+async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """The database of record's URL: a SQLite file (the default), or a PostgreSQL database
+    of the test's own, dropped after it (no server is an error, never a skip)."""
+    if getattr(request, "param", "sqlite") == "sqlite":
+        yield f"sqlite:///{tmp_path / 'records.db'}"
+        return
+    async with temporary_database(PG_PREFIX) as url:
+        yield url
+
+
+async def insert_directly(database: str, keys: list[str]) -> None:
+    """Rows written by another connection, as the user's application would: the database
+    logs them (its triggers), the service is not told."""
+    rows = [(k, '"direct"') for k in keys]
+    sql = "INSERT INTO records (key, value) VALUES "
+    if database.startswith("sqlite:"):
+
+        def run() -> None:
+            with sqlite3.connect(database.removeprefix("sqlite:///"), timeout=10) as conn:
+                conn.executemany(sql + "(?, ?)", rows)
+
+        await asyncio.to_thread(run)
+        return
+    conn = await asyncpg.connect(database)
+    try:
+        await conn.executemany(sql + "($1, $2)", rows)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def start(database: str) -> AsyncIterator[Start]:
     """`await start(redis_url, **settings)`: the service in process, stopped after the test."""
     async with AsyncExitStack() as stack:
 
@@ -78,7 +115,7 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
             values: dict[str, Any] = {
                 "redis_url": redis_url,
                 "key_prefix": PREFIX,
-                "database_url": f"sqlite:///{tmp_path / 'records.db'}",
+                "database_url": database,
                 "api_key": API_KEY,
                 "demo_records": DEMO_ROWS,
                 **FAST,
@@ -90,8 +127,11 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
         yield run
 
 
+# The Redis fixtures come before `start` in each test's arguments: the service stops first,
+# as it would in a deployment (Redis outlives it).
 @pytest.fixture
 def chaos(tmp_path: Path) -> Iterator[Chaos]:
+    """A redis-server of the test's own with a data folder that survives restarts."""
     c = Chaos(tmp_path / "redis", PREFIX, "records")
     try:
         yield c
@@ -99,40 +139,35 @@ def chaos(tmp_path: Path) -> Iterator[Chaos]:
         c.close()
 
 
+@pytest.fixture
+async def failover(tmp_path: Path) -> AsyncIterator[Failover]:
+    """A primary, its replica, and the address (a proxy) the service uses."""
+    pair = await Failover(tmp_path / "pair", PREFIX, "records").start()
+    try:
+        yield pair
+    finally:
+        await pair.close()
+
+
 def demo_keys() -> list[str]:
     return [f"user-{i}" for i in range(1, DEMO_ROWS + 1)]
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up waiting: {what}"
-        await asyncio.sleep(0.01)
 
 
 async def survive(
     svc: Guarded, fault: Callable[[Prober], Awaitable[float]], reasons: set[str]
 ) -> Incident:
-    """Run `fault` while present rows are read; return the incident that detected it, once
-    it ended, after checking no row was blocked from its start."""
-    watchdog = svc.watchdog
-    await until(lambda: not watchdog.stale, "the filter trusted before the fault")
-    opened = watchdog.opened
-    async with Prober(svc.client, demo_keys()) as prober:
-        await until(lambda: len(prober.samples) > 20, "reads before the fault")
-        fault_at = await fault(prober)
-        await until(lambda: watchdog.opened > opened, "the fault detected")
-        await until(lambda: not watchdog.stale, "the filter repaired")
-        reads = len(prober.samples)
-        await until(lambda: len(prober.samples) > reads + 100, "reads after the repair")
-    incident = next(i for i in watchdog.history if i.since >= fault_at)
+    """Run `fault` while present rows are read (devkit.chaos.ride_out); check the incident
+    that detected it, that no row was blocked from its start, that /metrics counted it,
+    and that every row is found afterwards. Returns the incident."""
+    out = await ride_out(svc.client, svc.watchdog, demo_keys(), fault, deadline=DEADLINE_S)
+    incident = out.incident
+    assert incident is not None, "the fault was not detected"
     assert incident.reason in reasons, incident
-    assert prober.blocked(since=incident.since) == [], "a present row blocked while stale"
-    await all_found(svc, prober.keys)
+    assert out.blocked_while_stale == [], "a present row blocked while stale"
+    await all_found(svc, out.prober.keys)
     metrics = (await svc.client.get("/metrics")).text
-    assert f'guard_filter_stale_incidents_total{{filter="records",reason="{incident.reason}"}}' in (
-        metrics
-    )
+    counted = f'guard_filter_stale_incidents_total{{filter="records",reason="{incident.reason}"}}'
+    assert counted in metrics
     return incident
 
 
@@ -145,6 +180,15 @@ async def all_found(svc: Guarded, keys: list[str]) -> None:
         assert (r.status_code, r.headers["x-guard"]) == (200, "passed"), key
 
 
+async def until_applied(svc: Guarded) -> None:
+    """Until the filter applied every change committed now (the follower's window over)."""
+    newest = await svc.state["db"].newest_change()
+    give_up = time.monotonic() + DEADLINE_S
+    while await svc.state["records"].filter.applied_change() < newest:
+        assert time.monotonic() < give_up, "the follower never applied the writes"
+        await asyncio.sleep(0.01)
+
+
 def new_keys(tag: str, n: int = 100) -> list[str]:
     return [f"{tag}-{i}" for i in range(n)]
 
@@ -152,7 +196,8 @@ def new_keys(tag: str, n: int = 100) -> list[str]:
 class TestRedisLosesChanges:
     """Redis gives back an older filter, or none: its id shows it is behind."""
 
-    async def test_restarted_from_an_older_rdb(self, start: Start, chaos: Chaos) -> None:
+    @BOTH_DATABASES
+    async def test_restarted_from_an_older_rdb(self, chaos: Chaos, start: Start) -> None:
         svc = await start(chaos.url)
 
         async def fault(prober: Prober) -> float:
@@ -166,29 +211,25 @@ class TestRedisLosesChanges:
 
         await survive(svc, fault, {ROLLED_BACK, BEHIND})
 
-    async def test_replica_promoted_while_behind(self, start: Start, tmp_path: Path) -> None:
-        pair = await Failover(tmp_path / "pair", PREFIX, "records").start()
-        try:
-            svc = await start(pair.url)
+    async def test_replica_promoted_while_behind(self, failover: Failover, start: Start) -> None:
+        svc = await start(failover.url)
 
-            async def fault(prober: Prober) -> float:
-                rows = new_keys("unreplicated")
+        async def fault(prober: Prober) -> float:
+            rows = new_keys("unreplicated")
 
-                async def write() -> None:
-                    await svc.put(rows)
-                    prober.add(rows)
+            async def write() -> None:
+                await svc.put(rows)
+                prober.add(rows)
 
-                return await pair.promote_behind(write)
+            return await failover.promote_behind(write)
 
-            await survive(svc, fault, {ROLLED_BACK, BEHIND})
-        finally:
-            await pair.close()
+        await survive(svc, fault, {ROLLED_BACK, BEHIND})
 
-    async def test_filter_key_deleted(self, start: Start, chaos: Chaos) -> None:
+    async def test_filter_key_deleted(self, chaos: Chaos, start: Start) -> None:
         svc = await start(chaos.url)
         await survive(svc, lambda prober: chaos.key_deleted(), {MISSING})
 
-    async def test_replaced_by_an_older_copy(self, start: Start, chaos: Chaos) -> None:
+    async def test_replaced_by_an_older_copy(self, chaos: Chaos, start: Start) -> None:
         svc = await start(chaos.url)
 
         async def fault(prober: Prober) -> float:
@@ -202,7 +243,7 @@ class TestRedisLosesChanges:
 
         await survive(svc, fault, {ROLLED_BACK, BEHIND})
 
-    async def test_redis_back_empty(self, start: Start, chaos: Chaos) -> None:
+    async def test_redis_back_empty(self, chaos: Chaos, start: Start) -> None:
         svc = await start(chaos.url)
         await survive(svc, lambda prober: chaos.flushed(), {MISSING})
 
@@ -210,7 +251,49 @@ class TestRedisLosesChanges:
 class TestDamageWithoutTrace:
     """The filter's id is right but its contents are not: only the audit can tell."""
 
-    async def test_zeroed_in_place(self, start: Start, chaos: Chaos) -> None:
+    async def test_zeroed_in_place(self, chaos: Chaos, start: Start) -> None:
         svc = await start(chaos.url)
         incident = await survive(svc, lambda prober: chaos.zeroed(), {AUDIT_MISS})
         assert incident.how == "rebuild"
+
+
+@BOTH_DATABASES
+class TestDirectWrites:
+    """Rows inserted in the table by another connection, not through the service."""
+
+    async def test_the_follower_applies_them_without_an_incident(
+        self, chaos: Chaos, start: Start, database: str
+    ) -> None:
+        """The normal window: each row may read absent until the follower applied it (its
+        lag, docs/consistency.md), which is no fault; then every row is found."""
+        svc = await start(chaos.url)
+        opened = svc.watchdog.opened
+        rows = new_keys("direct", 300)
+        async with Prober(svc.client, demo_keys()) as prober:
+            for part in range(0, len(rows), 30):
+                await insert_directly(database, rows[part : part + 30])
+                await asyncio.sleep(0.02)
+            prober.add(rows)
+            await until_applied(svc)
+            applied_at = time.monotonic()
+            reads = len(prober.samples)
+            await until(lambda: len(prober.samples) > reads + 200, "reads after", DEADLINE_S)
+        assert prober.blocked(since=applied_at) == []
+        assert svc.watchdog.opened == opened, list(svc.watchdog.history)
+        await all_found(svc, rows)
+
+    async def test_without_a_follower_they_make_it_stale(
+        self, chaos: Chaos, start: Start, database: str
+    ) -> None:
+        """No follower in the service (and no `guard follow` running): the changes stay
+        unapplied past GUARD_WATCHDOG_MAX_LAG; the watchdog replays them."""
+        svc = await start(chaos.url, feed=False)
+        rows = new_keys("unfollowed")
+
+        async def fault(prober: Prober) -> float:
+            await insert_directly(database, rows)
+            prober.add(rows)
+            return time.monotonic()
+
+        incident = await survive(svc, fault, {BEHIND})
+        assert incident.how == "catch_up"
