@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
@@ -17,6 +18,7 @@ from app.settings import Settings
 from guard.breaker import RedisBreaker
 from guard.errors import RedisUnreachable
 
+log = logging.getLogger(__name__)
 # Cache entries: b"+" + the row's JSON text, or b"-" for "no such row" (negative entry).
 _NEGATIVE = b"-"
 _VERSION_TTL_MS = 3_600_000  # far longer than any read that could still be in flight
@@ -154,3 +156,4 @@ class RecordCache:
             await self.invalidate(key)
         except RedisUnreachable:
             self.metrics.redis_error("cache")
+            log.warning("could not invalidate cache for %r after write", key)

@@ -102,6 +102,7 @@ async def replay(
     batch: int,
     upto: int | None = None,
     observe: Callable[[int], Awaitable[None]] | None = None,
+    after: int | None = None,
 ) -> int:
     """Apply the log's committed changes after ``cf``'s ``applied``, in batches, up to
     ``upto`` (None: until the log has no more); return the filter's ``applied``.
@@ -109,10 +110,13 @@ async def replay(
     Raises FilterMissing, OtherSource, or ReplayImpossible when the log was compacted past
     the filter's id. Another caller applying the same changes meanwhile is harmless: the
     script skips what is done, and a gap (the filter moved, backwards or forwards) makes
-    this read the log again from the filter's id.
+    this read the log again from the filter's id. ``after``: where the filter stood a moment
+    ago, read from the log without asking the filter first (a wrong guess costs a gap).
+    ``observe`` is awaited with the filter's id each time it is read from the filter (at the
+    start, or from a gap), before anything is applied after it.
     """
-    applied = await applied_of(cf)
-    if observe is not None:
+    applied = await applied_of(cf) if after is None else after
+    if observe is not None and after is None:
         await observe(applied)
     rereads = 0
     while upto is None or applied < upto:
@@ -137,6 +141,8 @@ async def replay(
         except FilterNotFoundError:
             raise FilterMissing(cf.name) from None
         applied = result.applied
+        if result.gap and observe is not None:
+            await observe(applied)
         if upto is None and not result.gap and len(changes) < limit:
             return applied  # the end of the log as it was read
     return applied
@@ -185,11 +191,20 @@ class Follower:
         """Apply every change committed now; return the filter's ``applied``. Raises a
         NeedsRebuild (FilterMissing, ReplayImpossible, OtherSource, FilterDiverged) when the
         filter cannot follow the log."""
+        return await self._catch_up(None)
+
+    async def _catch_up(self, after: int | None) -> int:
         if self.state.diverged is not None:
             raise self.state.diverged
-        self.applied = await replay(
-            self.cf, self.db, await self.source(), batch=self.batch, observe=self.state.observe
-        )
+        source = await self.source()
+        try:
+            self.applied = await replay(
+                self.cf, self.db, source, batch=self.batch, observe=self.state.observe,
+                after=after,
+            )  # fmt: skip
+        except OtherSource:
+            self._source = None  # read again next time: the log may have been re-installed
+            raise
         return self.applied
 
     async def compact(self) -> int:
@@ -212,25 +227,30 @@ class Follower:
     async def run(self) -> None:
         """Follow the log until cancelled; failures are logged once each and retried."""
         last_compaction = 0.0
+        woken = False
         while True:
             _stop_if_cancelled()
             try:
-                applied = await self.catch_up()
+                # Woken by a change: read the log from where the filter stood after our last
+                # call (one round trip less per change). Otherwise (a timeout, a failure)
+                # ask the filter: it may have been restored from an older copy meanwhile.
+                applied = await self._catch_up(self.applied if woken else None)
                 if time.monotonic() - last_compaction >= self.compact_every:
                     last_compaction = time.monotonic()
                     await self.compact()
+                _stop_if_cancelled()
+                if self.problem is not None:
+                    log.info("filter %s follows the change log again (at %d)", self.cf.name,
+                             applied)  # fmt: skip
+                    self.problem = None
+                woken = await self.db.wait_for_change(applied, IDLE_WAIT_S)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # the database or Redis away, the filter unfit: retried
                 _stop_if_cancelled()
+                woken = False
                 await self._failed(exc)
                 await asyncio.sleep(RETRY_S)
-                continue
-            _stop_if_cancelled()
-            if self.problem is not None:
-                log.info("filter %s follows the change log again (at %d)", self.cf.name, applied)
-                self.problem = None
-            await self.db.wait_for_change(applied, IDLE_WAIT_S)
 
     async def _failed(self, exc: Exception) -> None:
         if repr(exc) != repr(self.problem):  # once per distinct failure, not every second

