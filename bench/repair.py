@@ -263,7 +263,8 @@ def fault_row(fault: str, kind: str, runs: list[dict]) -> list[str]:
         ", ".join(sorted({r["reason"] for r in runs})),
         _span([r["detected"] for r in runs]),
         _span([r["repaired"] for r in runs]),
-        ", ".join(sorted({r["how"] for r in runs})),
+        # "": the incident closed before the watchdog repaired it (the follower's replay did).
+        ", ".join(sorted({r["how"] or "follower" for r in runs})),
         f"{sum(r['blocked_before'] for r in runs)} / {sum(r['reads'] for r in runs)}",
         str(sum(r["blocked_after"] for r in runs)),
     ]

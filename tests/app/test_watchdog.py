@@ -12,6 +12,8 @@ rebuild.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -249,17 +251,30 @@ class TestAudit:
         assert rig.watchdog.history[-1].how == "rebuild"
         assert not rig.watchdog.stale and await rig.all_found()
 
-    async def test_rows_not_yet_applied_are_no_miss(self, rig: Rig, other: Other) -> None:
+    async def test_rows_not_yet_applied_are_no_miss(
+        self, rig: Rig, other: Other, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """Rows in the follower's window read absent; the confirmation, under the write
-        barrier, waits for the follower to apply what is committed, and finds them."""
+        barrier, waits for the follower (started here only then) to apply what is committed,
+        and finds them."""
         await rig.watchdog.start()
         await direct_insert(other, *[f"window-{i}" for i in range(ROWS)])
-        follower = asyncio.create_task(Follower(rig.cf, rig.db, Settings()).run())
+        barrier = rig.db.write_barrier
+        followers: list[asyncio.Task[None]] = []
+
+        @asynccontextmanager
+        async def barrier_then_follow() -> AsyncIterator[None]:
+            async with barrier():
+                followers.append(asyncio.create_task(Follower(rig.cf, rig.db, Settings()).run()))
+                yield
+
+        monkeypatch.setattr(rig.db, "write_barrier", barrier_then_follow)
         try:
             assert await rig.watchdog.audit() == CLEAN
         finally:
-            follower.cancel()
-        assert rig.watchdog.opened == 0
+            for task in followers:
+                task.cancel()
+        assert followers and rig.watchdog.opened == 0
 
     async def test_unconfirmed_while_the_follower_is_behind(self, rig: Rig, other: Other) -> None:
         """No follower: the misses stay unconfirmed (the watchdog applies nothing itself),
