@@ -311,9 +311,14 @@ def _add_docs(app: FastAPI, settings: Settings) -> None:
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with suppress(asyncio.CancelledError, Exception):
-        await task
+    # Cancelled again until it ends: a cancellation can be lost in a library call racing its
+    # own timeout (Python 3.11), and a loop that goes on would hold the shutdown forever.
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+    if not task.cancelled():
+        with suppress(Exception):
+            task.result()  # retrieved: a task's failure at shutdown is not news
 
 
 app = create_app()
