@@ -17,8 +17,9 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 
 from app import errors
-from app.db import DatabaseSetupError, open_database
+from app.db import Database, DatabaseSetupError, open_database
 from app.deps import FilterHandles
+from app.feed import Follower
 from app.idempotency import Idempotency
 from app.input import BodyLimitMiddleware, Utf8Middleware
 from app.metrics import Metrics, RequestMetricsMiddleware
@@ -28,6 +29,7 @@ from app.redis_conn import open_redis
 from app.routes import dashboard, filters, health, records
 from app.routing import add_routes
 from app.settings import Settings, describe, startup_problem, weak_api_key
+from app.watchdog import Watchdog, WatchdogSettings
 from guard.breaker import RedisBreaker
 from guard.errors import RedisUnreachable
 from guard.middleware import GuardMiddleware
@@ -48,6 +50,41 @@ def _records_filter(scope: Any) -> Any:
     """The records filter handle, from the lifespan state (None before start-up)."""
     store = scope.get("state", {}).get("records")
     return None if store is None else store.filter
+
+
+def _records_stale(scope: Any) -> bool:
+    """Whether the watchdog finds the records filter behind the table."""
+    watchdog = scope.get("state", {}).get("watchdog")
+    return watchdog is not None and watchdog.stale
+
+
+async def _start_watchdog(
+    cfg: Settings,
+    store: RecordStore,
+    follower: Follower,
+    db: Database,
+    metrics: Metrics,
+    stack: AsyncExitStack,
+) -> Watchdog:
+    watchdog = Watchdog(
+        store.filter,
+        db,
+        rebuild=store.rebuild,
+        catch_up=follower.catch_up,
+        diverged=lambda: store.state.diverged,
+        settings=WatchdogSettings(
+            interval=cfg.watchdog_interval,
+            max_lag=cfg.watchdog_max_lag,
+            audit_interval=cfg.audit_interval,
+            audit_sample=cfg.audit_sample,
+        ),
+        metrics=metrics,
+    )
+    # A replay about to mend a rolled-back filter shows the watchdog its id first.
+    store.state.observe = watchdog.observe
+    await watchdog.start()
+    stack.push_async_callback(_cancel, asyncio.create_task(watchdog.run()))
+    return watchdog
 
 
 async def _rebuild_once(store: RecordStore) -> bool:
@@ -176,6 +213,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             follower = store.follower() if cfg.feed else None
             if follower is not None:
                 stack.push_async_callback(_cancel, asyncio.create_task(follower.run()))
+            watchdog = None
+            if cfg.watchdog:
+                # Its repair replays with a follower of its own when the feed is off here
+                # (`guard follow` elsewhere): applying a change twice is harmless.
+                repairer = follower or store.follower()
+                watchdog = await _start_watchdog(cfg, store, repairer, db, metrics, stack)
             yield {
                 "redis": redis,
                 "admin_redis": clients.admin,
@@ -185,6 +228,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "db": db,
                 "records": store,
                 "follower": follower,
+                "watchdog": watchdog,
                 "idempotency": Idempotency(
                     redis, cfg.key_prefix, cfg.idempotency_ttl, cfg.idempotency_wait
                 ),
@@ -216,6 +260,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         retry_after=cfg.retry_after,
         on_decision=metrics.decision,
         on_failure=partial(metrics.filter_failure, "guard"),
+        stale=_records_stale,
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     # Outside the guard and the routes: they only ever see the server's lossy decoding.
@@ -266,9 +311,14 @@ def _add_docs(app: FastAPI, settings: Settings) -> None:
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with suppress(asyncio.CancelledError, Exception):
-        await task
+    # Cancelled again until it ends: a cancellation can be lost in a library call racing its
+    # own timeout (Python 3.11), and a loop that goes on would hold the shutdown forever.
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+    if not task.cancelled():
+        with suppress(Exception):
+            task.result()  # retrieved: a task's failure at shutdown is not news
 
 
 app = create_app()

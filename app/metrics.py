@@ -69,7 +69,8 @@ class Metrics:
             "guard_filter_failures",
             "Filter calls that failed; where: guard (the middleware's lookups), api (filter "
             "routes and record writes); reason: unreachable (Redis), damaged (the filter's "
-            "data in Redis), error (anything else)",
+            "data in Redis), error (anything else), stale (not asked: the watchdog found it "
+            "behind the table, docs/consistency.md)",
             ["where", "reason"],
             registry=r,
         )
@@ -97,6 +98,40 @@ class Metrics:
             "guard_filter_damaged",
             "1 for a filter whose data in Redis failed the header check (drop or rebuild it)",
             ["filter"],
+            registry=r,
+        )
+        self.stale_gauge = Gauge(
+            "guard_filter_stale",
+            "1 while the watchdog finds the records filter behind the table (the guard then "
+            "does not block), by reason (docs/consistency.md)",
+            ["filter", "reason"],
+            registry=r,
+        )
+        self.stale_incidents = Counter(
+            "guard_filter_stale_incidents",
+            "Times the watchdog found the records filter stale, by first reason",
+            ["filter", "reason"],
+            registry=r,
+        )
+        self.filter_repairs = Counter(
+            "guard_filter_repairs",
+            "Repairs of a stale filter; how: catch_up (replay of the change log) or rebuild; "
+            "outcome: done or failed",
+            ["filter", "how", "outcome"],
+            registry=r,
+        )
+        self.audit_keys = Counter(
+            "guard_audit_keys",
+            "Existing keys the watchdog's audit looked up; result: found or missed (a miss "
+            "is then confirmed under the write barrier)",
+            ["filter", "result"],
+            registry=r,
+        )
+        self.audit_rounds = Counter(
+            "guard_audit_rounds",
+            "Audits of the records filter; result: clean, miss (a confirmed false negative) "
+            "or inconclusive",
+            ["filter", "result"],
             registry=r,
         )
         # labels() checks and looks up its values on every call (3 µs of each request):
@@ -145,6 +180,21 @@ class Metrics:
 
     def filter_failure(self, where: str, reason: str) -> None:
         self.filter_failures.labels(where, reason).inc()
+
+    def filter_stale(self, name: str, reason: str | None) -> None:
+        """The watchdog's verdict: stale for `reason` (an incident begins), or trusted."""
+        self.stale_gauge.clear()
+        if reason is not None:
+            self.stale_gauge.labels(name, reason).set(1)
+            self.stale_incidents.labels(name, reason).inc()
+
+    def filter_repair(self, name: str, how: str, outcome: str) -> None:
+        self.filter_repairs.labels(name, how, outcome).inc()
+
+    def audit(self, name: str, keys: int, missed: int, result: str) -> None:
+        self.audit_keys.labels(name, "found").inc(keys - missed)
+        self.audit_keys.labels(name, "missed").inc(missed)
+        self.audit_rounds.labels(name, result).inc()
 
     def collect_error(self, where: str) -> None:
         self.collect_errors.labels(where).inc()

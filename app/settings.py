@@ -102,6 +102,27 @@ class Settings(BaseSettings):
     records_headroom: float = Field(default=2.0, ge=1.0, description="capacity = rows x headroom")
     records_min_capacity: int = Field(default=1024, ge=1)
     rebuild_on_startup: bool = True
+
+    # The watchdog (docs/consistency.md): it finds a records filter behind the table, stops
+    # the guard blocking while it is, and repairs it.
+    watchdog: bool = Field(
+        default=True, description="check that the records filter follows the table, and repair it"
+    )
+    watchdog_interval: float = Field(
+        default=0.5, gt=0, le=60, description="seconds between checks of the filter's watermark"
+    )
+    watchdog_max_lag: float = Field(
+        default=1.0,
+        gt=0,
+        description="seconds after which a committed change the filter has not applied makes "
+        "it stale (the follower's normal lag stays far below)",
+    )
+    audit_interval: float = Field(
+        default=1.0,
+        ge=0,
+        description="seconds between audits (existing keys sampled and looked up); 0: none",
+    )
+    audit_sample: int = Field(default=32, ge=1, le=10_000, description="keys per audit")
     rebuild_batch: int = Field(default=1000, ge=1)
     # The change feed (app/feed.py): the service applies the database's change log to the
     # records filter, whoever wrote the rows.

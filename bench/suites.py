@@ -35,6 +35,7 @@ from bench import (
     perf_http,
     perf_report,
     reliability,
+    repair,
 )
 from bench.suite import Measured, Section, Suite, open_target, single_section
 from devkit import churn
@@ -237,6 +238,39 @@ def feed_suite(a: argparse.Namespace) -> AbstractContextManager[Suite]:
     )
 
 
+@contextmanager
+def repair_suite(a: argparse.Namespace) -> Iterator[Suite]:
+    sizes = {**(repair.QUICK if a.quick else repair.FULL)}
+    if a.runs:
+        sizes["runs"] = a.runs
+    rows, runs, seconds = sizes["rows"], sizes["runs"], sizes["seconds"]
+    names = [repair.case_name(f, k) for f, k in repair.CASES]
+    sections = [
+        Section(
+            name,
+            lambda f=f, k=k: repair.measure_fault(f, k, rows, runs, a.pg_prefix),
+            lambda res, f=f, k=k: repair.table(repair.FAULT_HEAD, [repair.fault_row(f, k, res)]),
+        )
+        for name, (f, k) in zip(names, repair.CASES, strict=True)
+    ]
+    costs = {"cost (SQLite)": "sqlite", "cost (PostgreSQL)": "postgres"}
+    sections += [
+        Section(
+            name,
+            lambda k=k: repair.measure_cost(k, rows, seconds, a.pg_prefix),
+            repair.cost_table,
+        )
+        for name, k in costs.items()
+    ]
+    with open_target(None, "repair") as t:  # the environment rows; faults use own servers
+        env = t.env
+    yield Suite(
+        "repair",
+        sections,
+        lambda m: repair.document(m, env, rows, runs, seconds),
+    )
+
+
 SUITES: dict[str, Entry] = {
     "core": Entry(
         "load at failure, false positives, memory and throughput on a real Redis",
@@ -301,6 +335,19 @@ SUITES: dict[str, Entry] = {
             (
                 "--pg-prefix",
                 {"default": "bench_feed_", "help": "prefix of the PostgreSQL databases made"},
+            ),
+        ),
+    ),
+    "repair": Entry(
+        "the watchdog: detection and repair time per fault, and what the audit costs",
+        repair_suite,
+        report="docs/bench-repair.md",
+        redis_url=False,
+        options=(
+            ("--runs", {"type": int, "default": None, "help": "runs per fault (3)"}),
+            (
+                "--pg-prefix",
+                {"default": "bench_repair_", "help": "prefix of the PostgreSQL databases made"},
             ),
         ),
     ),

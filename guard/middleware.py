@@ -32,8 +32,8 @@ FilterSource = Lookup | Callable[[Scope], Lookup | None]
 KeyExtractor = Callable[[Scope, re.Match[str]], str | None]
 
 BLOCKED, PASSED, BYPASSED, REJECTED = "blocked", "passed", "bypassed", "rejected"
-# Why a lookup failed, as given to `on_failure`.
-UNREACHABLE, DAMAGED, ERROR = "unreachable", "damaged", "error"
+# Why a lookup failed (or was not made), as given to `on_failure`.
+UNREACHABLE, DAMAGED, ERROR, STALE = "unreachable", "damaged", "error", "stale"
 
 
 def key_from_match(scope: Scope, match: re.Match[str]) -> str | None:
@@ -59,6 +59,12 @@ class GuardMiddleware:
     itself answers. A failure is logged once per incident (and when it clears), not once per
     request, and each failed lookup is reported to `on_failure` with its reason:
     "unreachable", "damaged" or "error".
+
+    `stale`, when given, says whether the filter is known to be behind the data it guards
+    (it missed changes, was rolled back, lost its data): while it answers True the filter is
+    not asked, for its "absent" could be a row it never got; the request is bypassed or
+    rejected as for a failed lookup, and reported to `on_failure` as "stale". Whoever decides
+    staleness logs its incidents (the middleware only sees requests).
     """
 
     def __init__(
@@ -76,6 +82,7 @@ class GuardMiddleware:
         on_decision: Callable[[str], None] | None = None,
         missing: tuple[type[BaseException], ...] | None = None,
         on_failure: Callable[[str], None] | None = None,
+        stale: Callable[[Scope], bool] | None = None,
     ) -> None:
         self.app = app
         self.filter = filter
@@ -88,6 +95,7 @@ class GuardMiddleware:
         self.on_decision = on_decision
         self.on_failure = on_failure
         self.missing = (FilterNotFoundError,) if missing is None else missing
+        self.stale = stale
         self._incident_since: float | None = None
         self._incident_reason: str | None = None
 
@@ -125,6 +133,10 @@ class GuardMiddleware:
         if cf is None:
             return BYPASSED
         if self.breaker.open:
+            return BYPASSED if self.fail_open else REJECTED
+        if self.stale is not None and self.stale(scope):
+            if self.on_failure is not None:
+                self.on_failure(STALE)
             return BYPASSED if self.fail_open else REJECTED
         try:
             present = await cf.lookup(key)

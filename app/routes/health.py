@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from app.deps import DbDep, FiltersDep, MetricsDep, RedisDep, SettingsDep
+from app.deps import DbDep, FiltersDep, MetricsDep, RedisDep, SettingsDep, WatchdogDep
 from guard.errors import RedisUnreachable
 from guard.listing import read_filters
 
@@ -23,6 +23,10 @@ MAX_FILTER_GAUGES = 200  # a scrape must stay cheap however many filters there a
 class Health(BaseModel):
     status: str
     redis: str
+    # Only while the watchdog finds the records filter stale (status "degraded"): "stale",
+    # and why (docs/consistency.md).
+    filter: str | None = None
+    reason: str | None = None
 
 
 class StatsOut(BaseModel):
@@ -39,10 +43,15 @@ class StatsOut(BaseModel):
 @router.get(
     "/health",
     response_model=Health,
+    response_model_exclude_none=True,
     responses={503: {"model": Health, "description": "Redis unreachable"}},
 )
-async def health(redis: RedisDep, metrics: MetricsDep, settings: SettingsDep) -> Any:
-    """200 when Redis answers a PING, else 503."""
+async def health(
+    redis: RedisDep, metrics: MetricsDep, settings: SettingsDep, watchdog: WatchdogDep
+) -> Any:
+    """200 when Redis answers a PING, else 503. While the records filter is stale (behind
+    the table: the guard does not block until it is repaired) 200 with status "degraded":
+    the service answers correctly, only without the filter's savings."""
     try:
         await redis.ping()
     except RedisUnreachable:
@@ -52,6 +61,9 @@ async def health(redis: RedisDep, metrics: MetricsDep, settings: SettingsDep) ->
             status_code=503,
             headers={"Retry-After": str(settings.retry_after)},
         )
+    incident = watchdog.incident if watchdog is not None else None
+    if incident is not None:
+        return {"status": "degraded", "redis": "ok", "filter": "stale", "reason": incident.reason}
     return {"status": "ok", "redis": "ok"}
 
 

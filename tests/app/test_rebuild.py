@@ -140,7 +140,8 @@ class TestRebuild:
     async def test_filter_missing_until_first_build_blocks_nothing(
         self, start: StartService
     ) -> None:
-        svc = await start(rebuild_on_startup=False)
+        # No watchdog: it would rebuild the missing filter by itself (tests/app/test_watchdog.py).
+        svc = await start(rebuild_on_startup=False, watchdog=False)
         assert not await svc.records.filter.exists()
         r = await svc.client.get("/records/user-1")
         assert r.status_code == 200 and r.headers["x-guard"] == "bypassed"

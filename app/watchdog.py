@@ -1,0 +1,396 @@
+"""The records filter's watchdog: knows when the filter is behind the table, and repairs it.
+
+The filter holds the id of the last database change it applied (`applied`, in its own bytes:
+guard/changes.py); the database holds the id of its newest committed change. Comparing the
+two every GUARD_WATCHDOG_INTERVAL seconds shows a filter that lost changes: restored from an
+older snapshot, failed over to a lagging replica, replaced by an older copy (each brings its
+own older id), deleted, or built from another database. Damage that leaves the id alone (the
+buckets zeroed in place) is found by the audit: existing keys sampled from the table and
+looked up. While the filter is stale the guard does not block (the middleware asks `stale`);
+the watchdog repairs it (replay of the change log from the filter's id when the log still
+holds it, else a rebuild from the table) and trusts it again once it caught up. See
+docs/consistency.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from app.feed import NeedsRebuild
+from guard import CuckooFilter
+from guard.errors import FilterCorruptError, FilterNotFoundError, RedisUnreachable
+
+log = logging.getLogger(__name__)
+
+# Why the filter is stale (the `reason` label of the metrics, /health and the log).
+STARTUP = "startup"  # behind the newest change seen at start-up
+BEHIND = "behind"  # a change committed more than GUARD_WATCHDOG_MAX_LAG ago is not applied
+ROLLED_BACK = "rolled_back"  # its id moved backwards (older snapshot, replica, older copy)
+MISSING = "missing"  # the key is gone (Redis back empty, deleted)
+OTHER_SOURCE = "other_source"  # built from another change log (another database)
+DAMAGED = "damaged"  # its header fails the checks
+AUDIT_MISS = "audit_miss"  # a key the table holds, and the filter applied, reads absent
+DIVERGED = "diverged"  # it kept a change the database rolled back (app/feed.py)
+# These leave the filter's contents unknown: only a rebuild from the table repairs them.
+NEEDS_REBUILD = frozenset({MISSING, OTHER_SOURCE, DAMAGED, AUDIT_MISS, DIVERGED})
+
+CLEAN, MISS, INCONCLUSIVE = "clean", "miss", "inconclusive"
+MAX_BACKOFF_S = 5.0  # between failed repairs
+HISTORY = 100  # ended incidents kept (tests and the bench read them)
+# An audit miss is confirmed under the write barrier once the follower applied every change
+# committed: it is given this long (a follower that keeps up takes one poll, ~10-20 ms).
+CONFIRM_POLLS, CONFIRM_POLL_S = 20, 0.01
+
+
+class WatchedDatabase(Protocol):
+    """What the watchdog uses of app.db's Database."""
+
+    async def get(self, key: str) -> str | None: ...
+    async def newest_change(self) -> int: ...
+    async def oldest_change(self) -> int: ...
+    async def feed_source(self) -> int: ...
+    async def sample_keys(self, n: int) -> list[str]: ...
+    def write_barrier(self) -> AbstractAsyncContextManager[None]: ...
+
+
+class WatchdogMetrics(Protocol):
+    def filter_stale(self, name: str, reason: str | None) -> None: ...
+    def filter_repair(self, name: str, how: str, outcome: str) -> None: ...
+    def audit(self, name: str, keys: int, missed: int, result: str) -> None: ...
+
+
+@dataclass
+class Incident:
+    """One stretch of time during which the filter is not trusted."""
+
+    reason: str
+    since: float  # monotonic
+    # The filter is trusted again once it applied this change (the newest committed one
+    # when the incident began, or when the last repair began).
+    target: int
+    rebuild: bool  # only a rebuild can repair it
+    rebuilt: bool = False  # a rebuild finished since it began
+    repairs: int = 0
+    until: float | None = None  # monotonic, once trusted again
+    how: str = ""  # the repair that worked: catch_up or rebuild ("" if none was needed)
+
+
+@dataclass(frozen=True)
+class WatchdogSettings:
+    interval: float = 0.5  # seconds between checks of the watermark
+    max_lag: float = 1.0  # a change seen committed this long ago must be applied
+    audit_interval: float = 1.0  # seconds between audits (0: none)
+    audit_sample: int = 32  # keys per audit
+
+
+class Watchdog:
+    """Watches one filter that follows `db`'s change log; `stale` says whether to trust it.
+
+    `catch_up()` applies every change committed so far to the filter (the follower's; it
+    raises NeedsRebuild when the log cannot repair it) and `rebuild()` builds it anew from the
+    table (the record store's); without `catch_up` every repair is a rebuild. `diverged()`
+    gives a reason known elsewhere why the filter must be rebuilt (the feed's FeedState:
+    a change the database rolled back that the filter kept), or None.
+    """
+
+    def __init__(
+        self,
+        cf: CuckooFilter,
+        db: WatchedDatabase,
+        *,
+        rebuild: Callable[[], Awaitable[Any]],
+        catch_up: Callable[[], Awaitable[int]] | None = None,
+        diverged: Callable[[], Exception | None] | None = None,
+        settings: WatchdogSettings = WatchdogSettings(),
+        metrics: WatchdogMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cf = cf
+        self.db = db
+        self.rebuild = rebuild
+        self.catch_up = catch_up
+        self.diverged = diverged
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self.incident: Incident | None = None
+        self.history: deque[Incident] = deque(maxlen=HISTORY)  # the latest, ended ones
+        self.opened = 0  # incidents begun since start
+        self._source: int | None = None
+        self._highest = 0  # the highest `applied` read while trusted
+        # (first seen, id): newest ids seen committed that the filter had not applied yet.
+        self._pending: deque[tuple[float, int]] = deque()
+        self._seen = 0
+        self._next_audit = 0.0
+        self._next_repair = 0.0
+        self._backoff = settings.interval
+        self._starting = True  # until the first check that reached both sides
+
+    @property
+    def stale(self) -> bool:
+        return self.incident is not None
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Before the first request: a filter left from an earlier run may be behind the
+        table, so the first check wants every change committed by then applied."""
+        try:
+            self._source = await self.db.feed_source()
+        except Exception as exc:
+            log.warning("watchdog: database not readable at start-up (%r)", exc)
+        await self.check()
+        self._next_audit = self.clock() + self.settings.audit_interval
+
+    async def run(self) -> None:
+        """Check, audit and repair until cancelled."""
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a watchdog that dies guards nothing: log and go on
+                log.exception("watchdog: check failed")
+            await asyncio.sleep(self.settings.interval)
+
+    async def tick(self) -> None:
+        await self.check()
+        now = self.clock()
+        audit = self.settings.audit_interval
+        if self.incident is None and audit and now >= self._next_audit:
+            self._next_audit = now + audit
+            await self._audit_trusted()
+        if self.incident is not None and now >= self._next_repair:
+            await self.repair()
+            await self.check()
+
+    # ---- the watermark -----------------------------------------------------------------
+
+    async def check(self) -> None:
+        """Compare the filter's `applied` with the database's newest change."""
+        try:
+            newest = await self.db.newest_change()
+        except Exception as exc:  # the database is away: no verdict either way
+            log.debug("watchdog: newest change not readable: %r", exc)
+            return
+        try:
+            applied = await self.cf.applied_change()
+        except FilterNotFoundError:
+            self._open(MISSING, newest, "the filter's key does not exist")
+            return
+        except FilterCorruptError as exc:
+            self._open(DAMAGED, newest, str(exc))
+            return
+        except RedisUnreachable:
+            return  # an outage: the middleware's breaker deals with it
+        problem = self.diverged() if self.diverged is not None else None
+        if problem is not None:
+            self._open(DIVERGED, newest, str(problem))
+            return
+        await self._judge(newest, applied)
+
+    async def observe(self, applied: int) -> None:
+        """The filter's id as a replay (the follower's, a write's) read it before applying
+        anything: an id below the highest seen may be a filter rolled back, which the replay
+        is about to mend; judged now so the incident is counted and logged all the same.
+        Costs nothing in the normal case (no query)."""
+        if self.incident is None and applied < self._highest:
+            try:
+                newest = await self.db.newest_change()
+            except Exception:
+                return
+            await self._judge(newest, applied)
+
+    async def _judge(self, newest: int, applied: int) -> None:
+        now = self.clock()
+        if newest > self._seen:
+            self._pending.append((now, newest))
+            self._seen = newest
+        while self._pending and self._pending[0][1] <= applied:
+            self._pending.popleft()
+        incident = self.incident
+        if incident is not None:
+            if not incident.rebuild and applied >= incident.target:
+                self._close(applied)
+            elif incident.rebuilt and applied >= incident.target:
+                # A rebuilt filter is trusted once it also passes an audit.
+                if await self.audit() != MISS:
+                    self._close(applied)
+                else:
+                    incident.rebuilt = False
+            return
+        if self._starting:
+            self._starting = False
+            if applied < newest:
+                self._open(STARTUP, newest, f"applied {applied}, newest change {newest}")
+                return
+        if applied >= newest:
+            # It holds every committed change (and maybe a write's in flight): current,
+            # whatever it held before (a write undone moves the id back by one).
+            self._highest = max(self._highest, applied)
+            return
+        if applied < self._highest:
+            self._open(ROLLED_BACK, newest, f"applied went back from {self._highest} to {applied}")
+        elif self._pending and now - self._pending[0][0] >= self.settings.max_lag:
+            first = self._pending[0][1]
+            self._open(
+                BEHIND,
+                newest,
+                f"change {first} committed over {self.settings.max_lag:g} s ago, "
+                f"applied is {applied}",
+            )
+        else:
+            self._highest = max(self._highest, applied)
+
+    # ---- the audit ---------------------------------------------------------------------
+
+    async def _audit_trusted(self) -> None:
+        try:
+            if await self._other_source():
+                return
+            result = await self.audit()
+        except RedisUnreachable:
+            return
+        except (FilterNotFoundError, FilterCorruptError):
+            return  # the next check names it
+        if result == MISS:
+            self._open(AUDIT_MISS, await self.db.newest_change(), "a sampled row read absent")
+
+    async def _other_source(self) -> bool:
+        info = await self.cf.info()
+        if self._source is None:
+            self._source = await self.db.feed_source()
+        if info.change_source not in (0, self._source):
+            self._open(
+                OTHER_SOURCE,
+                await self.db.newest_change(),
+                f"it follows change log {info.change_source:#x}, not {self._source:#x}",
+            )
+            return True
+        return False
+
+    async def audit(self) -> str:
+        """Look up existing keys sampled from the table: CLEAN, MISS (a key that exists and
+        whose insert the filter applied reads absent), or INCONCLUSIVE."""
+        keys = await self.db.sample_keys(self.settings.audit_sample)
+        if not keys:
+            return CLEAN
+        found = await self.cf.lookup_many(keys)
+        missed = [k for k, hit in zip(keys, found, strict=True) if not hit]
+        result = await self._confirm(missed) if missed else CLEAN
+        if self.metrics is not None:
+            self.metrics.audit(self.cf.name, len(keys), len(missed), result)
+        return result
+
+    async def _confirm(self, keys: list[str]) -> str:
+        """A sampled key may read absent rightly: deleted since it was sampled, inserted
+        after the filter's last change (the follower's window), or a write in flight. Under
+        the write barrier none is in flight and the follower soon applies what is committed;
+        a key still in the table that still reads absent is then a miss. The watchdog does
+        not apply the log itself here: a follower that stopped must show as BEHIND."""
+        async with self.db.write_barrier():
+            newest = await self.db.newest_change()
+            applied = await self.cf.applied_change()
+            if self.incident is None:
+                # An id that went back is a rolled-back filter, not a window.
+                await self._judge(newest, applied)
+                if self.incident is not None:
+                    return INCONCLUSIVE
+            for _ in range(CONFIRM_POLLS):  # writers are held off: a short wait at most
+                if applied >= newest:
+                    break
+                await asyncio.sleep(CONFIRM_POLL_S)
+                applied = await self.cf.applied_change()
+            if applied < newest:
+                return INCONCLUSIVE  # the watermark check judges a filter left behind
+            present = [k for k in keys if await self.db.get(k) is not None]
+            if not present:
+                return CLEAN
+            found = await self.cf.lookup_many(present)
+        return CLEAN if all(found) else MISS
+
+    # ---- repair ------------------------------------------------------------------------
+
+    async def repair(self) -> None:
+        """One repair attempt: replay the change log from the filter's id, or rebuild when
+        the log no longer holds it (or the damage is of a kind a replay cannot mend); a
+        failure waits a growing while before the next attempt."""
+        incident = self.incident
+        if incident is None:
+            return
+        incident.repairs += 1
+        how = "catch_up"
+        try:
+            target = await self.db.newest_change()
+            if not incident.rebuild and self.catch_up is not None:
+                try:
+                    await self.catch_up()
+                except NeedsRebuild as exc:
+                    log.warning("watchdog: %s", exc)
+                    incident.rebuild = True
+            if incident.rebuild or self.catch_up is None:
+                how = "rebuild"
+                incident.rebuild = True
+                await self.rebuild()
+                incident.rebuilt = True
+            incident.how = how
+            incident.target = max(incident.target, target)
+        except Exception as exc:
+            self._next_repair = self.clock() + self._backoff
+            self._backoff = min(MAX_BACKOFF_S, self._backoff * 2)
+            log.warning("watchdog: %s of %s failed (%r)", how, self.cf.name, exc)
+            if self.metrics is not None:
+                self.metrics.filter_repair(self.cf.name, how, "failed")
+            return
+        self._backoff = self.settings.interval
+        log.info("watchdog: %s of %s done (attempt %d)", how, self.cf.name, incident.repairs)
+        if self.metrics is not None:
+            self.metrics.filter_repair(self.cf.name, how, "done")
+
+    # ---- incidents ---------------------------------------------------------------------
+
+    def _open(self, reason: str, newest: int, detail: str) -> None:
+        self._starting = False  # an incident's end requires what start-up would
+        incident = self.incident
+        if incident is not None:
+            if reason in NEEDS_REBUILD and not incident.rebuild:
+                incident.rebuild = True  # escalated: a replay cannot repair this
+                incident.rebuilt = False
+                log.warning("watchdog: %s is also %s (%s)", self.cf.name, reason, detail)
+            return
+        self.incident = Incident(reason, self.clock(), newest, reason in NEEDS_REBUILD)
+        self.opened += 1
+        self._next_repair = 0.0
+        self._backoff = self.settings.interval
+        log.warning(
+            "filter %s is stale (%s: %s): the guard does not block until it is repaired",
+            self.cf.name,
+            reason,
+            detail,
+        )
+        if self.metrics is not None:
+            self.metrics.filter_stale(self.cf.name, reason)
+
+    def _close(self, applied: int) -> None:
+        incident = self.incident
+        assert incident is not None
+        self.incident = None
+        incident.until = self.clock()
+        self.history.append(incident)
+        self._highest = applied
+        log.warning(
+            "filter %s trusted again after %.2f s (%s, %d repair(s))",
+            self.cf.name,
+            incident.until - incident.since,
+            incident.reason,
+            incident.repairs,
+        )
+        if self.metrics is not None:
+            self.metrics.filter_stale(self.cf.name, None)
