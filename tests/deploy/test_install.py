@@ -22,7 +22,8 @@ LIBRARY_DEPS = {"redis", "mmh3", "numpy"}
 LAYERS: dict[str, set[str]] = {
     "guard": set(),
     "app": {"guard"},
-    "devkit": {"guard"},
+    # devkit starts the service (in process or as uvicorn) for tests and bench alike.
+    "devkit": {"guard", "app"},
     "tests": {"guard", "app", "devkit"},
     "bench": {"guard", "app", "devkit"},
 }
