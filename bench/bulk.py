@@ -27,6 +27,7 @@ from typing import Any
 import redis
 
 from guard import FilterParams, SyncCuckooFilter, bulk
+from guard.connect import connect_async
 from guard.layout import pack_header
 
 FULL = {"count": 10_000_000, "sample": 200_000}
@@ -235,8 +236,6 @@ def _rebuild_rows(url: str, prefix: str, path: Path, rows: int) -> list[Row]:
     staging copy with the asyncio handle, then promote; against insert_many the same way."""
     import asyncio
 
-    import redis.asyncio as aioredis
-
     from guard import CuckooFilter
 
     keys: list[bytes] = []
@@ -253,7 +252,7 @@ def _rebuild_rows(url: str, prefix: str, path: Path, rows: int) -> list[Row]:
             yield part[k : k + REBUILD_BATCH]
 
     async def run() -> tuple[float, float, int]:
-        client = aioredis.Redis.from_url(url)
+        client = connect_async(url)
         try:
             cf = CuckooFilter(client, "rebuild", prefix)
             start = time.perf_counter()

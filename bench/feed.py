@@ -43,6 +43,7 @@ from app.settings import Settings
 from devkit.postgres import temporary_database
 from guard import CuckooFilter
 from guard.changes import ApplyResult, Change
+from guard.connect import connect_async
 
 FULL = {"seconds": 10.0, "rebuild_rows": 1_000_000}
 QUICK = {"seconds": 2.0, "rebuild_rows": 100_000}
@@ -144,7 +145,7 @@ def _settings(url: str, prefix: str, database_url: str) -> Settings:
 
 
 async def _open(cfg: Settings) -> tuple[aioredis.Redis, Database, RecordStore]:
-    redis = aioredis.Redis.from_url(cfg.redis_url, socket_timeout=cfg.redis_admin_timeout)
+    redis = connect_async(cfg.redis_url, socket_timeout=cfg.redis_admin_timeout)
     db = await open_database(cfg)
     return redis, db, RecordStore(redis, db, cfg, Metrics())
 

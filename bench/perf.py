@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 
 from bench import core, perf_http
 from bench.minimal import MinimalLookup, agrees
@@ -35,9 +34,9 @@ from bench.perf_apps import coalesce_switch
 from bench.suite import Target
 from devkit.processes import HttpProcess
 from guard import CuckooFilter, FilterParams, SyncCuckooFilter
+from guard.connect import connect_async
 from guard.hashing import item_hash
 from guard.layout import pack_header
-from guard.packing import use_hiredis_packing
 
 # The reference figures, measured on this machine (Redis 7.0.15, loopback, 2 cores).
 REF_USEC = {
@@ -496,7 +495,7 @@ def measure_throughput(target: Target, s: PerfScale) -> list[core.Throughput]:
     agrees(r, minimal, mixed, cf.lookup_many(mixed))
     loop = asyncio.new_event_loop()
     # Packed by hiredis, as the service's client is (guard/packing.py): GET and lookups alike.
-    ar = use_hiredis_packing(aioredis.Redis.from_url(target.url))
+    ar = connect_async(target.url)
     handles: dict[str, CuckooFilter] = {}
     if coalesce_switch():
         handles["on"] = CuckooFilter(ar, "tput", prefix=target.prefix, coalesce=True)

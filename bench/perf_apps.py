@@ -19,10 +19,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from guard.packing import use_hiredis_packing
+from guard.connect import connect_async
 
 
 def _off(name: str) -> bool:
@@ -56,8 +55,7 @@ def baseline() -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Packed by hiredis, as the service's own client is: the same client on both sides.
-        client = aioredis.Redis.from_url(url, socket_timeout=1.0)
-        state["r"] = use_hiredis_packing(client)
+        state["r"] = connect_async(url, socket_timeout=1.0)
         yield
         await state["r"].aclose()
 
