@@ -38,8 +38,9 @@ OTHER_SOURCE = "other_source"  # built from another change log (another database
 DAMAGED = "damaged"  # its header fails the checks
 AUDIT_MISS = "audit_miss"  # a key the table holds, and the filter applied, reads absent
 DIVERGED = "diverged"  # it kept a change the database rolled back (app/feed.py)
+AHEAD = "ahead"  # past the database's newest change: the database lost commits
 # These leave the filter's contents unknown: only a rebuild from the table repairs them.
-NEEDS_REBUILD = frozenset({MISSING, OTHER_SOURCE, DAMAGED, AUDIT_MISS, DIVERGED})
+NEEDS_REBUILD = frozenset({MISSING, OTHER_SOURCE, DAMAGED, AUDIT_MISS, DIVERGED, AHEAD})
 
 CLEAN, MISS, INCONCLUSIVE = "clean", "miss", "inconclusive"
 MAX_BACKOFF_S = 5.0  # between failed repairs
@@ -128,6 +129,7 @@ class Watchdog:
         # (first seen, id): newest ids seen committed that the filter had not applied yet.
         self._pending: deque[tuple[float, int]] = deque()
         self._seen = 0
+        self._ahead: tuple[float, int] | None = None  # (first seen, id) applied past newest
         self._next_audit = 0.0
         self._next_repair = 0.0
         self._backoff = settings.interval
@@ -175,21 +177,26 @@ class Watchdog:
 
     async def check(self) -> None:
         """Compare the filter's `applied` with the database's newest change."""
+        # `applied` first: read before `newest`, it can pass it only by the one write in
+        # flight (writers are serialised), so more than that means the database lost commits.
+        missing: Exception | None = None
+        try:
+            applied = await self.cf.applied_change()
+        except (FilterNotFoundError, FilterCorruptError) as exc:
+            missing, applied = exc, 0
+        except RedisUnreachable:
+            return  # an outage: the middleware's breaker deals with it
         try:
             newest = await self.db.newest_change()
         except Exception as exc:  # the database is away: no verdict either way
             log.debug("watchdog: newest change not readable: %r", exc)
             return
-        try:
-            applied = await self.cf.applied_change()
-        except FilterNotFoundError:
+        if isinstance(missing, FilterNotFoundError):
             self._open(MISSING, newest, "the filter's key does not exist")
             return
-        except FilterCorruptError as exc:
-            self._open(DAMAGED, newest, str(exc))
+        if missing is not None:
+            self._open(DAMAGED, newest, str(missing))
             return
-        except RedisUnreachable:
-            return  # an outage: the middleware's breaker deals with it
         problem = self.diverged() if self.diverged is not None else None
         if problem is not None:
             self._open(DIVERGED, newest, str(problem))
@@ -210,6 +217,11 @@ class Watchdog:
 
     async def _judge(self, newest: int, applied: int) -> None:
         now = self.clock()
+        if self._is_ahead(newest, applied, now):
+            # A database restored from a backup or failed over to a replica that lost commits
+            # hands those ids out again: a replay would skip them as applied.
+            self._open(AHEAD, newest, f"applied {applied} is past the newest change {newest}")
+            return
         if newest > self._seen:
             self._pending.append((now, newest))
             self._seen = newest
@@ -248,6 +260,19 @@ class Watchdog:
             )
         else:
             self._highest = max(self._highest, applied)
+
+    def _is_ahead(self, newest: int, applied: int, now: float) -> bool:
+        """Whether the filter holds changes the database does not: more than the one write
+        in flight, or that one still uncommitted after max_lag."""
+        if applied <= newest:
+            self._ahead = None
+            return False
+        if applied > newest + 1:
+            return True
+        if self._ahead is None or self._ahead[1] != applied:
+            self._ahead = (now, applied)
+            return False
+        return now - self._ahead[0] >= self.settings.max_lag
 
     # ---- the audit ---------------------------------------------------------------------
 
