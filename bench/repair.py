@@ -33,7 +33,15 @@ import redis
 
 from app.settings import Settings
 from bench.markdown import table
-from devkit.chaos import Chaos, Failover, InProcess, Prober, in_process, ride_out
+from devkit.chaos import (
+    Chaos,
+    Failover,
+    InProcess,
+    Prober,
+    in_process,
+    insert_directly,
+    ride_out,
+)
 from devkit.postgres import temporary_database
 from devkit.service import API_KEY, AUTH
 
@@ -76,27 +84,6 @@ def _settings(redis_url: str, database: str, rows: int, **extra: Any) -> Setting
         log_level="WARNING",
         **extra,
     )
-
-
-async def _insert_directly(database: str, keys: list[str]) -> None:
-    rows = [(k, '"direct"') for k in keys]
-    sql = "INSERT INTO records (key, value) VALUES "
-    if database.startswith("sqlite:"):
-        import sqlite3
-
-        def run() -> None:
-            with sqlite3.connect(database.removeprefix("sqlite:///"), timeout=10) as conn:
-                conn.executemany(sql + "(?, ?)", rows)
-
-        await asyncio.to_thread(run)
-        return
-    import asyncpg
-
-    conn = await asyncpg.connect(database)
-    try:
-        await conn.executemany(sql + "($1, $2)", rows)
-    finally:
-        await conn.close()
 
 
 def _writer(svc: InProcess, tag: str) -> Callable[[Prober], Callable[[], Awaitable[None]]]:
@@ -145,7 +132,7 @@ async def one_fault(fault: str, kind: str, rows: int, pg_prefix: str) -> dict[st
                 if fault == "Redis back empty":
                     return await chaos.flushed()
                 keys = [f"direct-{i}" for i in range(WRITTEN)]
-                await _insert_directly(database, keys)
+                await insert_directly(database, keys)
                 prober.add(keys)
                 return time.monotonic()
 

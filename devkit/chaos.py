@@ -372,3 +372,26 @@ class Failover:
         await self.proxy.close()
         self.replica.stop()
         self.primary.stop()
+
+
+async def insert_directly(database: str, keys: list[str]) -> None:
+    """Rows written by another connection, as the user's application would: the database
+    logs them (its triggers), the service is not told."""
+    rows = [(k, '"direct"') for k in keys]
+    sql = "INSERT INTO records (key, value) VALUES "
+    if database.startswith("sqlite:"):
+        import sqlite3
+
+        def run() -> None:
+            with sqlite3.connect(database.removeprefix("sqlite:///"), timeout=10) as conn:
+                conn.executemany(sql + "(?, ?)", rows)
+
+        await asyncio.to_thread(run)
+        return
+    import asyncpg  # the server extra's driver, only for a PostgreSQL URL
+
+    conn = await asyncpg.connect(database)
+    try:
+        await conn.executemany(sql + "($1, $2)", rows)
+    finally:
+        await conn.close()

@@ -13,7 +13,6 @@ holds every row (zero false negatives). Durations are not asserted; deadlines ar
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
@@ -21,13 +20,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx
 import pytest
 
 from app.settings import Settings
 from app.watchdog import AUDIT_MISS, BEHIND, MISSING, ROLLED_BACK, Incident, Watchdog
-from devkit.chaos import Chaos, Failover, InProcess, Prober, in_process, ride_out, until
+from devkit.chaos import (
+    Chaos,
+    Failover,
+    InProcess,
+    Prober,
+    in_process,
+    insert_directly,
+    ride_out,
+    until,
+)
 from devkit.postgres import temporary_database
 from devkit.service import API_KEY, AUTH
 
@@ -84,26 +91,6 @@ async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncItera
         return
     async with temporary_database(PG_PREFIX) as url:
         yield url
-
-
-async def insert_directly(database: str, keys: list[str]) -> None:
-    """Rows written by another connection, as the user's application would: the database
-    logs them (its triggers), the service is not told."""
-    rows = [(k, '"direct"') for k in keys]
-    sql = "INSERT INTO records (key, value) VALUES "
-    if database.startswith("sqlite:"):
-
-        def run() -> None:
-            with sqlite3.connect(database.removeprefix("sqlite:///"), timeout=10) as conn:
-                conn.executemany(sql + "(?, ?)", rows)
-
-        await asyncio.to_thread(run)
-        return
-    conn = await asyncpg.connect(database)
-    try:
-        await conn.executemany(sql + "($1, $2)", rows)
-    finally:
-        await conn.close()
 
 
 @pytest.fixture
