@@ -26,6 +26,7 @@ from typing import Any
 
 import redis
 
+from bench.markdown import figures_report
 from guard import FilterParams, SyncCuckooFilter, bulk
 from guard.connect import connect_async
 from guard.layout import pack_header
@@ -368,14 +369,4 @@ NOTES = """How to read it:
 
 def report(rows: list[Row]) -> str:
     """The markdown of docs/bench-bulk.md (the pipeline adds the title and environment)."""
-    out = [(__doc__ or "").split("\n\n", 1)[1].split("\n\nThe pipeline")[0].strip(), ""]
-    out += ["## Targets", "", "| target | measured | met |", "| --- | ---: | --- |"]
-    out += [f"| {t} | {v} | {'yes' if ok else '**no**'} |" for t, v, ok in targets(rows)]
-    out += ["", NOTES]
-    section = None
-    for row in rows:
-        if row.section != section:
-            section = row.section
-            out += ["", f"## {section}", "", "| figure | value | note |", "| --- | ---: | --- |"]
-        out.append(f"| {row.figure} | {_value(row)} | {row.note} |")
-    return "\n".join(out)
+    return figures_report(__doc__ or "", targets(rows), NOTES, rows, _value)

@@ -40,6 +40,7 @@ from app.db import Database, open_database
 from app.metrics import Metrics
 from app.records import RecordStore
 from app.settings import Settings
+from bench.markdown import figures_report
 from devkit.postgres import temporary_database
 from guard import CuckooFilter
 from guard.changes import ApplyResult, Change
@@ -349,14 +350,4 @@ def _value(row: Row) -> str:
 
 def report(rows: list[Row]) -> str:
     """The markdown of docs/bench-feed.md (the pipeline adds the title and environment)."""
-    out = [(__doc__ or "").split("\n\n", 1)[1].split("\n\nThe pipeline")[0].strip(), ""]
-    out += ["## Targets", "", "| target | measured | met |", "| --- | ---: | --- |"]
-    out += [f"| {t} | {v} | {'yes' if ok else '**no**'} |" for t, v, ok in targets(rows)]
-    out += ["", NOTES]
-    section = None
-    for row in rows:
-        if row.section != section:
-            section = row.section
-            out += ["", f"## {section}", "", "| figure | value | note |", "| --- | ---: | --- |"]
-        out.append(f"| {row.figure} | {_value(row)} | {row.note} |")
-    return "\n".join(out)
+    return figures_report(__doc__ or "", targets(rows), NOTES, rows, _value)

@@ -26,3 +26,26 @@ def f2(x: float | None) -> str:
 
 def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("**met**" if ok else "**NOT met**")
+
+
+def figures_report(
+    doc: str,
+    targets: list[tuple[str, str, bool]],
+    notes: str,
+    rows: list[Any],
+    value: Any,
+) -> str:
+    """A suite's report of figure rows (each with .section, .figure, .note; ``value(row)``
+    formats its value): the module docstring's text between its first paragraph and "The
+    pipeline", the targets, the notes, then one table per section."""
+    out = [doc.split("\n\n", 1)[1].split("\n\nThe pipeline")[0].strip(), ""]
+    out += ["## Targets", "", "| target | measured | met |", "| --- | ---: | --- |"]
+    out += [f"| {t} | {v} | {'yes' if ok else '**no**'} |" for t, v, ok in targets]
+    out += ["", notes]
+    section = None
+    for row in rows:
+        if row.section != section:
+            section = row.section
+            out += ["", f"## {section}", "", "| figure | value | note |", "| --- | ---: | --- |"]
+        out.append(f"| {row.figure} | {value(row)} | {row.note} |")
+    return "\n".join(out)
