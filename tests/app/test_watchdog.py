@@ -207,7 +207,6 @@ class TestWatermark:
         assert rig.watchdog.history[-1].how == "rebuild" and rig.rebuilds == 1
         assert not rig.watchdog.stale and await rig.all_found()
 
-
     async def test_a_database_that_lost_commits_means_a_rebuild(
         self, rig: Rig, other: Other
     ) -> None:
@@ -220,8 +219,8 @@ class TestWatermark:
         newest = await rig.db.newest_change()
         # The database as it was before the three inserts: rows, log and counter.
         await other("DELETE FROM records WHERE key IN ('lost-1', 'lost-2', 'lost-3')")
-        await other("DELETE FROM guard_changes WHERE id > %d" % (newest - 3))
-        await other("UPDATE guard_feed SET last_id = %d" % (newest - 3))
+        await other(f"DELETE FROM guard_changes WHERE id > {newest - 3}")
+        await other(f"UPDATE guard_feed SET last_id = {newest - 3}")
         await direct_insert(other, "reborn-1")  # takes an id the filter holds as applied
         await rig.watchdog.check()
         assert rig.watchdog.incident is not None and rig.watchdog.incident.reason == AHEAD
