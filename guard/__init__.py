@@ -11,11 +11,7 @@ from guard.errors import (
     InvalidParameterError,
 )
 from guard.facade import AsyncPipeline, Pipeline
-from guard.filter import (
-    CuckooFilter,
-    FilterInfo,
-    SyncCuckooFilter,
-)
+from guard.filter import CuckooFilter, FilterInfo, SyncCuckooFilter
 from guard.listing import (
     list_filters,
     list_filters_sync,

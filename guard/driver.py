@@ -4,9 +4,9 @@ An operation (guard/ops.py) does no I/O: it yields rounds of calls and is sent t
 ``transport`` does everything between that and a client: it sends a lone call by itself and
 several in one pipeline, re-sends as EVAL a script a SCRIPT FLUSH unloaded, turns script errors
 into the library's exceptions and splits a batch's replies per round. What it yields are the
-few sends a client can make (``Send``, ``SendPipeline``, ``Parallel``), and an operation's
-``Work``; ``SyncRunner`` and ``AsyncRunner`` make them, with or without ``await`` (Work in a
-worker thread on asyncio): all that differs between the two flavours.
+few sends a client can make (``Send``, ``SendPipeline``, ``Parallel``; a listing's ``Scan``),
+and an operation's ``Work``; ``SyncRunner`` and ``AsyncRunner`` make them, with or without
+``await`` (Work in a worker thread on asyncio): all that differs between the two flavours.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Generator, Hashable, Sequence
 from functools import cached_property
-from typing import Any, NamedTuple, TypeAlias, TypeVar
+from typing import Any, NamedTuple, Self, TypeAlias, TypeVar
 
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -49,7 +49,15 @@ class Parallel(NamedTuple):
     parts: list[Generator[Any, Any, Any]]
 
 
-Transport: TypeAlias = Generator[Send | SendPipeline | Parallel | Work, Any, T]
+class Scan(NamedTuple):
+    """The keys matching ``match``, by the client's own ``scan_iter``: a cluster's keeps a
+    cursor per node, which no one SCAN command can (guard/listing.py)."""
+
+    match: str
+    page: int = 1000  # SCAN's COUNT
+
+
+Transport: TypeAlias = Generator[Send | SendPipeline | Parallel | Scan | Work, Any, T]
 
 
 def transport(op: Op[T], name: str) -> Transport[T]:
@@ -185,8 +193,8 @@ def _frozen(field: Any) -> Hashable:
 
 
 def _error(reply: Exception, name: str) -> Exception:
-    """The exception a round of one command raises for its error ``reply``: the same as
-    ``_raise_first_error([reply], name)`` raises."""
+    """The exception an error ``reply`` raises: a script's error reply as the library's
+    exception, caused by the reply."""
     if not isinstance(reply, ResponseError):
         return reply
     mapped = scripts.map_error(reply, name)
@@ -196,10 +204,8 @@ def _error(reply: Exception, name: str) -> Exception:
 
 def _raise_first_error(replies: list[Any], name: str) -> list[Any]:
     for reply in replies:
-        if isinstance(reply, ResponseError):
-            raise scripts.map_error(reply, name) from reply
         if isinstance(reply, Exception):
-            raise reply
+            raise _error(reply, name)
     return replies
 
 
@@ -242,6 +248,13 @@ def _queue(
 class _Runner:
     redis: Any
     name: str
+
+    @classmethod
+    def on(cls, redis: Any) -> Self:
+        """A runner of no one filter's (guard/listing.py)."""
+        runner = cls()
+        runner.redis, runner.name = redis, ""
+        return runner
 
     @cached_property
     def _scripts(self) -> dict[str, Any]:
@@ -290,11 +303,13 @@ class SyncRunner(_Runner):
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
-    def _send(self, send: Send | SendPipeline | Parallel | Work) -> Any:
+    def _send(self, send: Send | SendPipeline | Parallel | Scan | Work) -> Any:
         if isinstance(send, Work):
             if send.awaits:
                 raise TypeError("a blocking handle reads no async iterable: use the asyncio one")
             return send.call()
+        if isinstance(send, Scan):
+            return list(self.redis.scan_iter(match=send.match, count=send.page))
         if not isinstance(send, Parallel):
             function, args, kwargs = self._target(send)
             return function(*args, **kwargs)
@@ -326,13 +341,15 @@ class AsyncRunner(_Runner):
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
-    async def _send(self, send: Send | SendPipeline | Parallel | Work) -> Any:
+    async def _send(self, send: Send | SendPipeline | Parallel | Scan | Work) -> Any:
         if isinstance(send, Work):
             return await (send.call() if send.awaits else asyncio.to_thread(send.call))
         if isinstance(send, Parallel):
             return await asyncio.gather(
                 *(self._drive(p) for p in send.parts), return_exceptions=True
             )
+        if isinstance(send, Scan):
+            return [k async for k in self.redis.scan_iter(match=send.match, count=send.page)]
         if isinstance(send, SendPipeline) and send.atomic:
             # redis-py 8: a MULTI as an asyncio RedisCluster's first command sets up its
             # connections outside the running loop, breaking every later call. Plain

@@ -12,67 +12,55 @@ filter) instead of failing.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from guard.driver import AsyncRunner, Scan, SyncRunner, Transport, transport
 from guard.errors import FilterCorruptError, FilterNotFoundError, InvalidParameterError
 from guard.facade import AsyncHandle, Facade, SyncHandle
 from guard.filter import FilterInfo, SyncCuckooFilter
 from guard.names import DEFAULT_PREFIX, NAME_PATTERN
-from guard.ops import Op, lockstep
+from guard.ops import lockstep
 from guard.sharded import SyncShardedCuckooFilter
 
 
-def _match_pattern(prefix: str) -> str:
+def _tags(prefix: str) -> Transport[list[str]]:
+    """What is inside the braces of each key the SCAN found."""
     # Escape glob characters a prefix may hold; the braces are literal to Redis's matcher.
-    escaped = re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
-    return f"{escaped}{{*}}"
-
-
-def _tag_of(key: bytes | str, prefix: str) -> str | None:
-    if isinstance(key, bytes):
+    keys = yield Scan(re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "{*}")
+    tags = []
+    for key in keys:
         try:
-            key = key.decode()
+            tag = key.decode() if isinstance(key, bytes) else key
         except UnicodeDecodeError:
-            return None  # names are ASCII: no filter has this key
-    return key[len(prefix) + 1 : -1]
+            continue  # names are ASCII: no filter has this key
+        tags.append(tag[len(prefix) + 1 : -1])
+    return tags
 
 
-def _names(tags: Iterable[str | None]) -> list[str]:
+def _names(tags: list[str]) -> list[str]:
     # User names cannot hold ':', so a shard's tag is never taken for a filter's name.
-    return sorted({tag for tag in tags if tag is not None and NAME_PATTERN.fullmatch(tag)})
+    return sorted({tag for tag in tags if NAME_PATTERN.fullmatch(tag)})
 
 
-def _shard_counts(tags: Iterable[str | None]) -> dict[str, int]:
+def _shard_counts(tags: list[str]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for tag in tags:
-        if tag is None:
-            continue
         name, colon, index = tag.rpartition(":")
         if colon and NAME_PATTERN.fullmatch(name) and index.isascii() and index.isdigit():
             counts[name] = max(counts.get(name, 0), int(index) + 1)
     return dict(sorted(counts.items()))
 
 
-async def _tags(redis: Any, prefix: str) -> list[str | None]:
-    pattern = _match_pattern(prefix)
-    return [_tag_of(k, prefix) async for k in redis.scan_iter(match=pattern, count=1000)]
-
-
-def _tags_sync(redis: Any, prefix: str) -> list[str | None]:
-    pattern = _match_pattern(prefix)
-    return [_tag_of(k, prefix) for k in redis.scan_iter(match=pattern, count=1000)]
-
-
 async def list_filters(redis: Any, prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Names of the (unsharded) filters under ``prefix`` (a SCAN: fine for tens of thousands
     of keys)."""
-    return _names(await _tags(redis, prefix))
+    return _names(await AsyncRunner.on(redis)._drive(_tags(prefix)))
 
 
 def list_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> list[str]:
-    return _names(_tags_sync(redis, prefix))
+    return _names(SyncRunner.on(redis)._drive(_tags(prefix)))
 
 
 async def list_sharded_filters(redis: Any, prefix: str = DEFAULT_PREFIX) -> dict[str, int]:
@@ -82,11 +70,11 @@ async def list_sharded_filters(redis: Any, prefix: str = DEFAULT_PREFIX) -> dict
     The count is the highest shard index found plus one. A filter that lost its last shard
     shows one shard fewer; opening it then fails with the count its headers record.
     """
-    return _shard_counts(await _tags(redis, prefix))
+    return _shard_counts(await AsyncRunner.on(redis)._drive(_tags(prefix)))
 
 
 def list_sharded_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> dict[str, int]:
-    return _shard_counts(_tags_sync(redis, prefix))
+    return _shard_counts(SyncRunner.on(redis)._drive(_tags(prefix)))
 
 
 @dataclass
@@ -97,12 +85,19 @@ class FilterReport:
     damaged: list[str] = field(default_factory=list)
 
 
-def _report_op(handles: Sequence[Facade[Any]]) -> Op[FilterReport]:
-    """Every handle's info, read side by side (one round trip for all, not one each); a
-    damaged filter named rather than failing the whole report; a filter dropped since the
-    SCAN left out. Anything else (Redis unreachable) raises."""
-    results = yield from lockstep({k: h._info_op() for k, h in enumerate(handles)})
+def _report(
+    prefix: str, opened: Callable[[list[str]], Sequence[Facade[Any]]]
+) -> Transport[FilterReport]:
+    """The info of every filter ``opened`` makes a handle for from the SCAN's tags, read side
+    by side (one round trip for all, not one each); a damaged filter named rather than
+    failing the whole report; a filter dropped since the SCAN left out. Anything else (Redis
+    unreachable) raises."""
+    handles = opened((yield from _tags(prefix)))
     report = FilterReport()
+    if not handles:
+        return report
+    infos = lockstep({k: h._info_op() for k, h in enumerate(handles)})
+    results = yield from transport(infos, handles[0].name)
     for k, handle in enumerate(handles):
         result = results[k]
         # A sharded filter that lost its last shard lists one shard short, and refuses a
@@ -126,21 +121,22 @@ async def read_filters(
 ) -> FilterReport:
     """The info of the first ``limit`` (unsharded) filters under ``prefix``, by name;
     ``handle(name)`` opens one (the service keeps its handles)."""
-    handles = [handle(name) for name in (await list_filters(redis, prefix))[:limit]]
-    return await handles[0]._run(_report_op(handles)) if handles else FilterReport()
+    io = _report(prefix, lambda tags: [handle(name) for name in _names(tags)[:limit]])
+    return await AsyncRunner.on(redis)._drive(io)
 
 
 def read_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> FilterReport:
     """The info of every filter under ``prefix``, plain and sharded, by name."""
-    handles: list[SyncHandle[Any]] = [
-        SyncCuckooFilter(redis, name, prefix) for name in list_filters_sync(redis, prefix)
-    ]
-    handles += [
-        SyncShardedCuckooFilter(redis, name, prefix, shards=shards)
-        for name, shards in list_sharded_filters_sync(redis, prefix).items()
-    ]
-    handles.sort(key=lambda h: h.name)
-    return handles[0]._run(_report_op(handles)) if handles else FilterReport()
+
+    def handles(tags: list[str]) -> list[SyncHandle[Any]]:
+        found: list[SyncHandle[Any]] = [SyncCuckooFilter(redis, n, prefix) for n in _names(tags)]
+        found += [
+            SyncShardedCuckooFilter(redis, name, prefix, shards=shards)
+            for name, shards in _shard_counts(tags).items()
+        ]
+        return sorted(found, key=lambda h: h.name)
+
+    return SyncRunner.on(redis)._drive(_report(prefix, handles))
 
 
 __all__ = [
