@@ -29,14 +29,9 @@ def _tags(prefix: str) -> Transport[list[str]]:
     """What is inside the braces of each key the SCAN found."""
     # Escape glob characters a prefix may hold; the braces are literal to Redis's matcher.
     keys = yield Scan(re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "{*}")
-    tags = []
-    for key in keys:
-        try:
-            tag = key.decode() if isinstance(key, bytes) else key
-        except UnicodeDecodeError:
-            continue  # names are ASCII: no filter has this key
-        tags.append(tag[len(prefix) + 1 : -1])
-    return tags
+    # A key that is not valid UTF-8 keeps a U+FFFD, which no name has (names are ASCII).
+    texts = [key.decode(errors="replace") if isinstance(key, bytes) else key for key in keys]
+    return [text[len(prefix) + 1 : -1] for text in texts]
 
 
 def _names(tags: list[str]) -> list[str]:
