@@ -219,8 +219,7 @@ def _eval_args(call: Call) -> list[Any]:
 
 def _evalsha_args(call: Call, registered: dict[str, Any]) -> list[Any]:
     command = "EVALSHA_RO" if call.read_only else "EVALSHA"
-    sha = registered[call.script].sha
-    return [command, sha, len(call.keys), *call.keys, *call.args]
+    return [command, registered[call.script].sha, len(call.keys), *call.keys, *call.args]
 
 
 def _queue(
@@ -277,11 +276,8 @@ class _Runner:
             return client.execute_command, _eval_args(call), {}
         if call.read_only:
             return client.execute_command, _evalsha_args(call, self._scripts), {}
-        return (
-            self._scripts[call.script],
-            [],
-            {"keys": call.keys, "args": call.args, "client": client},
-        )
+        kwargs = {"keys": call.keys, "args": call.args, "client": client}
+        return self._scripts[call.script], [], kwargs
 
 
 class SyncRunner(_Runner):

@@ -83,10 +83,9 @@ class FilterReport:
 def _report(
     prefix: str, opened: Callable[[list[str]], Sequence[Facade[Any]]]
 ) -> Transport[FilterReport]:
-    """The info of every filter ``opened`` makes a handle for from the SCAN's tags, read side
-    by side (one round trip for all, not one each); a damaged filter named rather than
-    failing the whole report; a filter dropped since the SCAN left out. Anything else (Redis
-    unreachable) raises."""
+    """The info of the filters ``opened`` makes handles for from the SCAN's tags, read side by
+    side (one round trip for all); a filter dropped since the SCAN left out. Any error but
+    damage (Redis unreachable) raises."""
     handles = opened((yield from _tags(prefix)))
     report = FilterReport()
     if not handles:
