@@ -33,10 +33,10 @@ from bench.minimal import MinimalLookup, agrees
 from bench.perf_apps import coalesce_switch
 from bench.suite import Target
 from devkit.processes import HttpProcess
-from guard import CuckooFilter, FilterParams, SyncCuckooFilter
+from guard import CuckooFilter, FilterExistsError, FilterParams, SyncCuckooFilter
 from guard.connect import connect_async
 from guard.hashing import item_hash
-from guard.layout import pack_header
+from guard.layout import TAG_BYTES, pack_header, string_bytes
 
 # The issue's reference figures, measured on this machine (Redis 7.0.15, loopback, 2 cores).
 REF_USEC = {
@@ -180,7 +180,9 @@ def reserve_exact(cf: SyncCuckooFilter, slots: int, b: int = 4, seed: int | None
 
     ``reserve()`` sizes a table to fill its allocator size class, which is never a power of
     two of buckets; RedisBloom's always is. So that both filters hold the same slots, the bench
-    makes ours that size through the creation operation ``reserve()`` itself ends in.
+    writes ours that size itself, in the stored format (docs/format.md) and the way
+    guard/lua/reserve.lua does: the string at its full length in one step (its tag), then
+    the header.
     """
     params = FilterParams(
         capacity=slots,
@@ -191,7 +193,14 @@ def reserve_exact(cf: SyncCuckooFilter, slots: int, b: int = 4, seed: int | None
         seed=seed,
     )
     made = replace(params.layout(), buckets0=slots // b)
-    cf._run(cf._create_op(made, pack_header(made, slots, None)))
+    key, r = cf.key(0), cf.redis
+    if r.exists(key):
+        raise FilterExistsError(f"{cf.name}: filter exists", filter=cf.name)
+    total = string_bytes(made.buckets0, made.bucket_size, made.fp_bits)
+    with r.pipeline() as p:  # one MULTI, as the script is atomic
+        p.setrange(key, total - TAG_BYTES, made.tag(0))
+        p.setrange(key, 0, pack_header(made, slots, None))
+        p.execute()
 
 
 def filter_table(cf: SyncCuckooFilter) -> Callable[[], tuple[float, int]]:
