@@ -13,14 +13,14 @@ snapshot keys under the filter's hash tag (COPY is a memory copy on the server, 
 microseconds, and the copies cannot change while they are read in GETRANGE chunks); the copies
 carry a TTL so a crashed export cleans up after itself, and are deleted when done. A read-only
 replica refuses COPY: there every chunk of the live keys is read in one MULTI instead (the
-replica changes only by replication, so one transaction sees one instant). Every sub-filter
-is checked as the probe checks it (guard/layout.py:verify_stored) before a byte is written.
+replica changes only by replication, so one transaction sees one instant).
 
-Import reads the whole file once to check the checksum, every length and offset, and every
-sub-filter string as the probe checks it, before it writes anything. Then it writes the
-filter's staging copy (each string created at full size by one SETRANGE at its last byte, then
-filled chunk by chunk), verifies it again, and promotes it: one Lua script replaces the live
-filter. A refused or failed import leaves the live filter as it was.
+Both check every sub-filter string as the probe does (guard/layout.py:verify_stored): export
+before it writes a byte; import, with the checksum and every length and offset, over the whole
+file before it writes anything. Import then fills the filter's staging copy (each string made
+at full size by one SETRANGE at its last byte, then chunk by chunk), verifies it again and
+promotes it: one Lua script replaces the live filter. A refused or failed import leaves the
+live filter as it was.
 
 Sync only (``SyncCuckooFilter``): this is for the command line and scripts.
 """
@@ -88,9 +88,7 @@ class DumpHeader:
             body = json.loads(raw)
             layout = Layout(**{k: int(v) for k, v in body["layout"].items()})
             lengths = [int(n) for n in body["lengths"]]
-            header = cls(
-                str(body["name"]), layout, lengths, int(body["items"]), int(body["capacity"])
-            )
+            name, items, capacity = str(body["name"]), int(body["items"]), int(body["capacity"])
             version = int(body["format"])
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise DumpError(f"bad dump header: {exc!r}") from None
@@ -100,13 +98,10 @@ class DumpHeader:
             raise DumpError("bad dump header: sub-filter count does not match the lengths")
         expected = [layout.string_bytes(n) for n in range(layout.subfilters)]
         if lengths != expected:
-            raise DumpError(
-                f"bad dump header: sub-filter lengths {lengths} do not match the layout "
-                f"({expected})"
-            )
+            raise DumpError(f"bad dump header: lengths {lengths}, the layout makes {expected}")
         if any(n > MAX_STRING_BYTES for n in lengths):
             raise DumpError("bad dump header: a sub-filter is larger than a Redis string")
-        return header
+        return cls(name, layout, lengths, items, capacity)
 
 
 @dataclass(frozen=True)
@@ -122,9 +117,8 @@ class DumpSummary:
 
 
 def _snapshot(cf: SyncCuckooFilter) -> list[str] | None:
-    """Copy every sub-filter key to snapshot keys in one transaction; return their names.
-
-    None on a read-only replica, which refuses COPY."""
+    """Copy every sub-filter key to snapshot keys in one transaction; return their names, or
+    None on a read-only replica (it refuses COPY)."""
     token = secrets.token_hex(8)
     snaps = [f"{cf.key(0)}:dump:{token}:{n}" for n in range(MAX_SUBFILTERS)]
     pipe = cf.redis.pipeline(transaction=True)
@@ -238,12 +232,9 @@ def export_filter(
 
 
 def _chunks(f: IO[bytes], header_out: list[DumpHeader]) -> Iterator[tuple[int, int, bytes]]:
-    """Parse a dump, yielding (sub-filter, offset, data); check everything on the way. The
-    dump's header goes to ``header_out`` first.
-
-    The checksum is only known at the end, so callers that write must run this once to the
-    end first (``validate_dump``) and then again to write.
-    """
+    """Parse a dump into ``header_out`` and (sub-filter, offset, data), checking everything on
+    the way. The checksum is known only at the end: a caller that writes must first have run
+    this to the end (``validate_dump``)."""
     digest = hashlib.sha256()
 
     def read(n: int, what: str) -> bytes:
