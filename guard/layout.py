@@ -9,7 +9,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import NamedTuple
 
@@ -38,7 +38,6 @@ FIELD_AT = {
 # sub-filter 0 alone (0 elsewhere). From RESERVED_AT to HEADER_BYTES: zero.
 SUBFILTERS_AT = FIELD_AT["subfilters"]
 INDEX_AT = FIELD_AT["index"]
-SHARDS_AT = FIELD_AT["shards"]
 ITEMS_AT = FIELD_AT["items"]
 DELETES_AT = FIELD_AT["deletes"]
 MISSED_AT = FIELD_AT["missed_deletes"]
@@ -63,7 +62,6 @@ MAX_EXPANSION = 16
 MAX_KICKS_LIMIT = 4000  # keeps the worst single insert far below Redis's 5 s busy-script limit
 MAX_CAPACITY = 1 << 40
 MAX_SHARDS = 1024
-MAX_ERROR_RATE_PPT = 10**12  # error_rate is stored times 10**12, below 1
 # Load a table of each bucket size holds at its first failed insert with 500 kicks (median of
 # 5 seeds at ~100k slots: b=1 0.51, b=2 0.874, b=4 0.965, b=8 0.990; docs/bench-core.md), less
 # a margin so `capacity` items fit in a fixed-size filter.
@@ -95,17 +93,10 @@ class Layout:
     seed: int
 
     def args(self) -> list[int]:
-        return [
-            self.bucket_size,
-            self.fp_bits,
-            self.fp_step,
-            self.expansion,
-            self.subfilters,
-            self.max_kicks,
-            self.buckets0,
-            self.seed,
-            int.from_bytes(self.digest, "big"),  # lets the scripts check every tag
-        ]
+        """The fields in order, then the digest: it lets the scripts check every tag."""
+        return [self.bucket_size, self.fp_bits, self.fp_step, self.expansion, self.subfilters,
+                self.max_kicks, self.buckets0, self.seed,
+                int.from_bytes(self.digest, "big")]  # fmt: skip
 
     def buckets(self, n: int) -> int:
         return self.buckets0 * (self.expansion**n if self.expansion else 1)
@@ -151,18 +142,14 @@ def allocator_size(nbytes: int) -> int:
     return (nbytes + step - 1) // step * step
 
 
-def _sds_overhead(nbytes: int) -> int:
-    # sdshdr16/sdshdr32 header plus the terminating NUL Redis keeps after every string.
-    return (5 if nbytes < 65536 else 9) + 1
-
-
 def buckets_for(capacity: int, bucket_size: int, fp_bits: int) -> int:
     """Bucket count for ``capacity`` items: no power-of-two rounding, allocator slack reused."""
     need = max(1, math.ceil(capacity / (bucket_size * TARGET_LOAD[bucket_size])))
     if need * bucket_size < SMALL_TABLE_SLOTS:
         need = max(1, math.ceil(capacity / (bucket_size * SMALL_TABLE_LOAD[bucket_size])))
     nbytes = string_bytes(need, bucket_size, fp_bits)
-    room = allocator_size(nbytes + _sds_overhead(nbytes)) - _sds_overhead(nbytes)
+    sds = (5 if nbytes < 65536 else 9) + 1  # sdshdr16/32 header + the NUL Redis keeps after it
+    room = allocator_size(nbytes + sds) - sds
     table_bits = (room - HEADER_BYTES - TAG_BYTES) * 8
     return max(need, table_bits // (bucket_size * fp_bits))
 
@@ -188,28 +175,18 @@ def pack_header(
     applied: int = 0,
     source: int = 0,
 ) -> bytes:
-    return _HEADER.pack(
-        MAGIC,
-        VERSION,
-        layout.bucket_size,
-        layout.fp_bits,
-        layout.fp_step,
-        layout.expansion,
-        layout.subfilters,
-        0,  # index of this sub-filter
-        0,  # flags
-        layout.buckets0,
-        layout.max_kicks,
-        shards,  # bytes 18-19, reserved (0) in unsharded filters
-        layout.seed,
-        capacity,
-        0,  # items
-        0,  # deletes
-        0,  # missed deletes
-        round((error_rate or 0.0) * 1e12),
-        applied,
-        source,
-    )
+    """Sub-filter 0's header of a new, empty filter: index, flags and counters 0."""
+    values = {
+        **asdict(layout),  # the Layout's fields are named as the header's
+        "magic": MAGIC,
+        "version": VERSION,
+        "shards": shards,
+        "capacity": capacity,
+        "error_rate": round((error_rate or 0.0) * 1e12),
+        "applied": applied,
+        "source": source,
+    }
+    return _HEADER.pack(*(values.get(name, 0) for name, _ in _FIELDS))
 
 
 class Header(NamedTuple):
@@ -265,22 +242,14 @@ def probe_reads(key: str) -> list[tuple[str, list[str | int]]]:
 # "Valid values"); _common.lua:header_problem checks the same list. The version comes first,
 # on its own: another version is not damage but another format.
 _RANGES = (
-    ("bucket_size", 1, 8),
-    ("fp_bits", MIN_FP_BITS, MAX_FP_BITS),
-    ("fp_step", 0, 1),
-    ("expansion", 0, MAX_EXPANSION),
-    ("subfilters", 1, MAX_SUBFILTERS),
-    ("index", 0, 0),
-    ("flags", 0, 0),
-    ("buckets0", 1, 2**32 - 1),
-    ("max_kicks", 0, MAX_KICKS_LIMIT),
-    ("shards", 0, MAX_SHARDS),
-    ("capacity", 1, MAX_CAPACITY),
-    ("deletes", 0, 2**63 - 1),
+    ("bucket_size", 1, 8), ("fp_bits", MIN_FP_BITS, MAX_FP_BITS), ("fp_step", 0, 1),
+    ("expansion", 0, MAX_EXPANSION), ("subfilters", 1, MAX_SUBFILTERS), ("index", 0, 0),
+    ("flags", 0, 0), ("buckets0", 1, 2**32 - 1), ("max_kicks", 0, MAX_KICKS_LIMIT),
+    ("shards", 0, MAX_SHARDS), ("capacity", 1, MAX_CAPACITY), ("deletes", 0, 2**63 - 1),
     ("missed_deletes", 0, 2**63 - 1),
-    ("error_rate", 0, MAX_ERROR_RATE_PPT - 1),
+    ("error_rate", 0, 10**12 - 1),  # stored times 10**12, below 1
     ("applied", 0, MAX_CHANGE_ID),
-)
+)  # fmt: skip
 
 
 def version_problem(version: int) -> str:
@@ -325,32 +294,30 @@ def _header_problem(header: bytes) -> str | None:
     return None
 
 
-def _subfilter_problem(header: bytes, header0: bytes, n: int) -> str | None:
-    """What is wrong with sub-filter n's header (n >= 1), or None: it is sub-filter 0's
-    header as growth copied it (its first COMMON_BYTES), with its own index and item count,
-    its own counters zero, and nothing of sub-filter 0's own bytes (applied, source)."""
-    if len(header) < HEADER_BYTES or _field(header, "magic") != MAGIC:
-        return "bad magic"
-    count, index = header[SUBFILTERS_AT], header[INDEX_AT]
-    if count != n or index != n:
-        return f"holds sub-filter count {count} and index {index}, expected {n}"
-    same = (
-        slice(0, SUBFILTERS_AT),
-        slice(INDEX_AT + 1, ITEMS_AT),
-        slice(ERROR_RATE_AT, COMMON_BYTES),
-    )
-    if (
-        any(header[part] != header0[part] for part in same)
-        or any(header[DELETES_AT:ERROR_RATE_AT])
-        or any(header[COMMON_BYTES:HEADER_BYTES])
-    ):
-        return "header disagrees with sub-filter 0's"
-    return None
-
-
-def _string_problem(layout: Layout, n: int, sub: Stored) -> str | None:
-    """Items, length and tag of sub-filter n against the layout, or None."""
-    items = _field(sub.header, "items")
+def _string_problem(sub: Stored, n: int, header0: bytes, layout: Layout) -> str | None:
+    """What is wrong with sub-filter n's string, or None, once sub-filter 0's header passed
+    _header_problem. Sub-filter n >= 1's header is sub-filter 0's as growth copied it (its
+    first COMMON_BYTES), with its own index and item count, its other counters zero, and none
+    of sub-filter 0's own bytes (applied, source)."""
+    header = sub.header
+    if n:
+        if len(header) < HEADER_BYTES or _field(header, "magic") != MAGIC:
+            return "bad magic"
+        count, index = header[SUBFILTERS_AT], header[INDEX_AT]
+        if count != n or index != n:
+            return f"holds sub-filter count {count} and index {index}, expected {n}"
+        same = (
+            slice(0, SUBFILTERS_AT),
+            slice(INDEX_AT + 1, ITEMS_AT),
+            slice(ERROR_RATE_AT, COMMON_BYTES),
+        )
+        if (
+            any(header[part] != header0[part] for part in same)
+            or any(header[DELETES_AT:ERROR_RATE_AT])
+            or any(header[COMMON_BYTES:HEADER_BYTES])
+        ):
+            return "header disagrees with sub-filter 0's"
+    items = _field(header, "items")
     slots = layout.buckets(n) * layout.bucket_size
     if items > slots:  # also every negative count: the field is a signed 64-bit integer
         return f"items {items} is out of range 0-{slots}"
@@ -376,9 +343,7 @@ def verify_stored(name: str, subs: Sequence[Stored]) -> Layout:
         raise FilterCorruptError(name, f"{first.key}: {problem}")
     layout = unpack_header(first.header).layout
     for n, sub in enumerate(subs[: layout.subfilters]):
-        problem = (_subfilter_problem(sub.header, first.header, n) if n else None) or (
-            _string_problem(layout, n, sub)
-        )
+        problem = _string_problem(sub, n, first.header, layout)
         if problem:
             raise FilterCorruptError(name, f"{sub.key}: {problem}")
     return layout
