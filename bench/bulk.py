@@ -20,13 +20,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from bench.markdown import figures_report
+from bench.markdown import Row, figures_report
 from guard import FilterParams, SyncCuckooFilter, bulk
 from guard.connect import connect_async
 from guard.layout import pack_header
@@ -57,15 +56,6 @@ else:
 print(f"maxrss_kib={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=sys.stderr)
 sys.exit(code)
 """
-
-
-@dataclass(frozen=True)
-class Row:
-    section: str
-    figure: str
-    value: float
-    unit: str
-    note: str = ""
 
 
 def write_keys(path: Path, count: int) -> None:

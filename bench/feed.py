@@ -29,7 +29,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from app.db import Database, open_database
 from app.metrics import Metrics
 from app.records import RecordStore
 from app.settings import Settings
-from bench.markdown import figures_report
+from bench.markdown import Row, figures_report
 from devkit.postgres import temporary_database
 from guard import CuckooFilter
 from guard.changes import ApplyResult, Change
@@ -93,15 +92,6 @@ async def main(url, rate, seconds, tag):
 
 asyncio.run(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]))
 """
-
-
-@dataclass(frozen=True)
-class Row:
-    section: str
-    figure: str
-    value: float
-    unit: str
-    note: str = ""
 
 
 def measure(target: Any, seconds: float, rebuild_rows: int, pg_prefix: str) -> list[Row]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -28,11 +29,22 @@ def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("**met**" if ok else "**NOT met**")
 
 
+@dataclass(frozen=True)
+class Row:
+    """One figure of a suite's report (``figures_report``), under its section."""
+
+    section: str
+    figure: str
+    value: float
+    unit: str
+    note: str = ""
+
+
 def figures_report(
     doc: str,
     targets: list[tuple[str, str, bool]],
     notes: str,
-    rows: list[Any],
+    rows: list[Row],
     value: Any,
 ) -> str:
     """A suite's report of figure rows (each with .section, .figure, .note; ``value(row)``

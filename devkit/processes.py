@@ -11,23 +11,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.cli.service import stop_process  # the CLI's demo stops its service the same way
+
 
 def free_port() -> int:
     """A loopback port nothing listens on (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def stop_process(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if it has not exited after ``grace`` seconds."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def answers(url: str) -> bool:

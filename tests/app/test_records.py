@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from typing import Any
 
 import pytest
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -15,6 +16,29 @@ from tests.app.conftest import AUTH, Service, StartService
 
 async def queries(svc: Service) -> int:
     return int((await svc.client.get("/stats")).json()["db_queries"])
+
+
+def overlapping(svc: Service, monkeypatch: pytest.MonkeyPatch, readers: int) -> None:
+    """Hold every database read until ``readers`` reads have reached the single-flight, so
+    that they overlap however slow the machine is (a fixed latency did not, under load)."""
+    all_in = asyncio.Event()
+    arrived = 0
+    flight = svc.records.cache._flight
+    join, db_get = flight.do, svc.db.get
+
+    async def counted(key: Any, fn: Any) -> Any:
+        nonlocal arrived
+        arrived += 1
+        if arrived == readers:
+            all_in.set()
+        return await join(key, fn)
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.wait_for(all_in.wait(), 30)
+        return await db_get(*args, **kwargs)
+
+    monkeypatch.setattr(flight, "do", counted)
+    monkeypatch.setattr(svc.db, "get", held)
 
 
 class TestRoutes:
@@ -112,16 +136,20 @@ class TestGuard:
         await svc.client.put("/records/user-2", json={"value": "new"}, headers=AUTH)
         assert (await svc.client.get("/records/user-2")).json()["value"] == "new"
 
-    async def test_concurrent_misses_make_one_query(self, start: StartService) -> None:
-        svc = await start(db_latency_ms=200)  # wide enough for all 20 to overlap
+    async def test_concurrent_misses_make_one_query(
+        self, svc: Service, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        overlapping(svc, monkeypatch, 20)
         before = svc.db.queries
         rs = await asyncio.gather(*(svc.client.get("/records/user-9") for _ in range(20)))
         assert all(r.json()["value"] == "value-9" for r in rs)
         assert svc.db.queries == before + 1
 
-    async def test_concurrent_false_positives_make_one_query(self, start: StartService) -> None:
-        svc = await start(db_latency_ms=200)  # wide enough for all 20 to overlap
+    async def test_concurrent_false_positives_make_one_query(
+        self, svc: Service, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         await svc.records.filter.insert("ghost")
+        overlapping(svc, monkeypatch, 20)
         before = svc.db.queries
         rs = await asyncio.gather(*(svc.client.get("/records/ghost") for _ in range(20)))
         assert all(r.status_code == 404 for r in rs)
