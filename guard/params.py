@@ -32,14 +32,11 @@ class Limit(NamedTuple):
     open: bool = False  # both bounds exclusive
 
     def check(self, name: str, value: object) -> None:
-        if self.accepts(value):
-            return
-        raise InvalidParameterError(
-            f"{name} must be {self.describe()}, got {value!r}",
-            param=name,
-            limit=self.describe(),
-            value=value,
-        )
+        if not self.accepts(value):
+            limit = self.describe()
+            raise InvalidParameterError(
+                f"{name} must be {limit}, got {value!r}", param=name, limit=limit, value=value
+            )
 
     def accepts(self, value: object) -> bool:
         kinds = int if self.integer else int | float
