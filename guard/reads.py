@@ -13,10 +13,9 @@ allows: the tag in one 64-bit word, a bucket in as few reads as hold whole slots
 (one for b=4, f=16). Two bucket reads per item are why a batched lookup costs Redis several
 times what a native module's CF.MEXISTS does.
 
-Batches are planned and checked with numpy: per item, Python-level arithmetic and slot loops
-cost several times what Redis spends answering. Small batches (one request's single lookup)
-stay in plain Python, where numpy's fixed cost per call would dominate: a plan takes the form
-its hashes come in (guard/hashing.py: ``hash_batch``), and both forms run hashing's functions.
+Batches are planned and checked with numpy (per item, Python arithmetic and slot loops cost
+several times what Redis spends answering), small ones in plain Python (numpy's fixed cost per
+call would dominate): a plan takes the form its hashes come in (hashing.hash_batch).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 from mmh3 import hash128
@@ -91,42 +90,30 @@ class _Command:
     args: list[object]
 
 
-class _Subfilter(NamedTuple):
-    """What reading one sub-filter takes, derived from the layout alone."""
+class _Subfilter:
+    """What reading sub-filter ``n`` takes, derived from the layout alone."""
 
-    reads: _BucketReads
-    tag: int  # the tag as BITFIELD's i64 read answers it
-    tag_read: tuple[str, str, int]
-    buckets: int
-    per_command: int  # items per read command
+    def __init__(self, layout: Layout, n: int) -> None:
+        self.reads = _BucketReads(layout.bucket_size, layout.fp_bits_at(n))
+        self.tag = int.from_bytes(layout.tag(n), "big", signed=True)  # as BITFIELD's i64 reads it
+        self.tag_read = ("GET", "i64", (layout.string_bytes(n) - TAG_BYTES) * 8)
+        self.buckets = layout.buckets(n)
+        # Items per read command: at most MAX_GETS reads in one, the tag's among them.
+        self.per_command = max(1, (MAX_GETS - 1) // (2 * len(self.reads.parts)))
 
 
 @lru_cache(maxsize=256)  # a handle holds one layout at a time; a service has a few handles
 def _per_subfilter(layout: Layout) -> tuple[_Subfilter, ...]:
     """Worked out once per layout, not once per lookup."""
-    out = []
-    for n in range(layout.subfilters):
-        reads = _BucketReads(layout.bucket_size, layout.fp_bits_at(n))
-        out.append(
-            _Subfilter(
-                reads,
-                int.from_bytes(layout.tag(n), "big", signed=True),
-                ("GET", "i64", (layout.string_bytes(n) - TAG_BYTES) * 8),
-                layout.buckets(n),
-                max(1, (MAX_GETS - 1) // (2 * len(reads.parts))),
-            )
-        )
-    return tuple(out)
+    return tuple(_Subfilter(layout, n) for n in range(layout.subfilters))
 
 
 class SingleRead:
     """One item's lookup in a filter of one sub-filter, the most frequent read of all (a web
-    request's): the command ReadPlan makes for it, from arithmetic written out inline.
-
-    A handle keeps one per layout; ``command`` and ``holds`` are the only Python calls a
-    lookup makes beyond the driver's (ReadPlan's general planning costs a single item more
-    than Redis and the client library spend on it). The same arithmetic as guard/hashing.py,
-    inlined: the tests compare both plans' commands.
+    request's): ReadPlan's command for it, with hashing.py's arithmetic written out inline
+    (the tests compare both). A handle keeps one per layout; ``command`` and ``holds`` are
+    the only Python calls such a lookup makes beyond the driver's, where ReadPlan's general
+    planning would cost more than Redis and the client library spend on it.
     """
 
     def __init__(self, layout: Layout) -> None:
