@@ -175,7 +175,6 @@ class ReadPlan:
     """The commands answering ``lookup`` for a batch under one layout, and their check."""
 
     def __init__(self, layout: Layout, hashes: hashing.Hashes, key: Callable[[int], str]) -> None:
-        self.layout = layout
         self.count = len(hashes)
         self.vector = isinstance(hashes, np.ndarray)  # (n, 2) int64: planned with numpy
         self.subfilters = _per_subfilter(layout)
