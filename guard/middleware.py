@@ -176,8 +176,7 @@ class GuardMiddleware:
 def _answer(
     status: int, detail: str, decision: str, retry_after: int | None = None
 ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """A response the guard sends itself, encoded once: it gives a few answers, over and over
-    (a blocked request is the busiest path there is)."""
+    """A response the guard sends itself, encoded once: a blocked request is the busiest path."""
     payload = json.dumps({"detail": detail}, separators=(",", ":")).encode()
     headers = [
         (b"content-type", b"application/json"),

@@ -37,11 +37,9 @@ _H_MASK, _G_MASK, _mix = hashing.H_MASK, hashing.G_MASK, hashing.mix
 
 
 class TagMismatch(Exception):
-    """A sub-filter's tag is not the one the handle's layout predicts.
-
-    The filter grew or was replaced (the handle is stale), or the key is gone or damaged: only
-    a full header check (a script) can tell which.
-    """
+    """A sub-filter's tag is not the one the handle's layout predicts: the filter grew or was
+    replaced (the handle is stale), or the key is gone or damaged. Only a full header check (a
+    script) can tell which."""
 
     def __init__(self, key: str) -> None:
         super().__init__(f"tag mismatch in {key}")
@@ -125,8 +123,7 @@ class SingleRead:
         self._reads = sub.reads
         f = layout.fp_bits
         # One read per bucket (b * f <= 64: b=4 with f=16, say): its type; else None.
-        reads = sub.reads._reads
-        kind = reads[0][1] if len(reads) == 1 else None
+        kind = sub.reads._reads[0][1] if len(sub.reads.parts) == 1 else None
         # Everything command() needs, unpacked in one step (attribute loads add up here).
         self._consts = (
             layout.seed,
