@@ -14,13 +14,14 @@ from collections.abc import Awaitable, Callable
 from guard.errors import RedisUnreachable
 
 Lookup = Callable[[list[bytes]], Awaitable[list[bool]]]
+_Waiting = tuple[list[bytes], asyncio.Future[list[bool]]]  # a queued call's items, and its answer
 
 
 class LookupCoalescer:
     def __init__(self, lookup: Lookup, max_items: int = 2000) -> None:
         self._lookup = lookup
         self._max_items = max_items
-        self._waiting: list[tuple[list[bytes], asyncio.Future[list[bool]]]] = []
+        self._waiting: list[_Waiting] = []
         self._flushing = False
 
     async def lookup_many(self, items: list[bytes]) -> list[bool]:
@@ -33,8 +34,7 @@ class LookupCoalescer:
             try:
                 return await self._lookup(items)
             except BaseException as exc:
-                if isinstance(exc, RedisUnreachable):
-                    self._fail_waiting(exc)
+                self._fail(exc, [])
                 raise
             finally:
                 if self._waiting:
@@ -45,11 +45,12 @@ class LookupCoalescer:
         self._waiting.append((items, future))
         return await future
 
-    def _fail_waiting(self, exc: BaseException) -> None:
-        """Calls queued behind a trip Redis never answered fail with it: sending them next
-        would only wait out another full timeout."""
-        waiting, self._waiting = self._waiting, []
-        for _, future in waiting:
+    def _fail(self, exc: BaseException, batch: list[_Waiting]) -> None:
+        """The calls of a failed trip fail with it, and so do those queued behind a trip Redis
+        never answered: sending them next would only wait out another full timeout."""
+        if isinstance(exc, RedisUnreachable):
+            batch, self._waiting = [*batch, *self._waiting], []
+        for _, future in batch:
             if not future.done():
                 future.set_exception(exc)
 
@@ -61,11 +62,7 @@ class LookupCoalescer:
                 try:
                     results = await self._lookup(items)
                 except BaseException as exc:  # every waiter gets the failure, none hangs
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    if isinstance(exc, RedisUnreachable):
-                        self._fail_waiting(exc)
+                    self._fail(exc, batch)
                     if not isinstance(exc, Exception):
                         raise
                     continue
@@ -77,7 +74,7 @@ class LookupCoalescer:
         finally:
             self._flushing = False
 
-    def _take(self) -> list[tuple[list[bytes], asyncio.Future[list[bool]]]]:
+    def _take(self) -> list[_Waiting]:
         """The waiting calls that fit in one trip (at least one, however large)."""
         taken, count = 0, 0
         while taken < len(self._waiting):

@@ -37,10 +37,7 @@ def split_cluster_url(url: str) -> tuple[str, list[tuple[str, int]]]:
     base = CLUSTER_SCHEMES.get(scheme.lower())
     if not sep or base is None:
         raise InvalidParameterError(f"not a cluster URL: {scheme}://…")
-    cut = len(rest)
-    for mark in "/?#":
-        if mark in rest:
-            cut = min(cut, rest.index(mark))
+    cut = min((rest.index(mark) for mark in "/?#" if mark in rest), default=len(rest))
     netloc, tail = rest[:cut], rest[cut:]
     creds, at, hosts = netloc.rpartition("@")
     nodes: list[tuple[str, int]] = []
@@ -58,19 +55,22 @@ def split_cluster_url(url: str) -> tuple[str, list[tuple[str, int]]]:
     return f"{base}://{creds}{at}{host}:{port}{tail}", nodes[1:]
 
 
-def _want_cluster(url: str, cluster: bool | None) -> bool:
-    if cluster is False and is_cluster_url(url):
-        raise InvalidParameterError("cluster=False contradicts a redis-cluster:// URL")
-    return bool(cluster) or is_cluster_url(url)
-
-
-def _no_timeout_retry(options: dict[str, Any], retry_class: type[Any]) -> dict[str, Any]:
-    """A client redis-py makes with ``Redis(host=...)`` sends a command that timed out again
-    (10 times in 8.1.0; one made ``from_url`` does not, by its defaults, not by promise). A
-    script that timed out may still have run, and a delete run twice can remove a second copy
+def _open(url: str, cluster: bool | None, options: dict[str, Any], clients: tuple) -> Any:
+    """A client of ``clients`` (retry, single-server client, cluster client, node: sync or
+    asyncio). A client redis-py makes with ``Redis(host=...)`` sends a command that timed out
+    again (10 times in 8.1.0; one made ``from_url`` does not, by its defaults, not by promise).
+    A script that timed out may still have run, and a delete run twice can remove a second copy
     of an item's fingerprint: a false negative. Only a broken connection is retried, once (it
     replaces a pooled connection a Redis restart killed), unless the caller chose a retry."""
-    return {"retry": retry_class(NoBackoff(), 1, (RedisConnectionError,)), **options}
+    retry, single, cluster_client, node = clients
+    options = {"retry": retry(NoBackoff(), 1, (RedisConnectionError,)), **options}
+    if cluster is False and is_cluster_url(url):
+        raise InvalidParameterError("cluster=False contradicts a redis-cluster:// URL")
+    if not is_cluster_url(url):
+        return (cluster_client if cluster else single).from_url(url, **options)
+    seed, others = split_cluster_url(url)
+    nodes = [node(h, p) for h, p in others]
+    return cluster_client.from_url(seed, startup_nodes=nodes, **options)
 
 
 def connect(url: str, *, cluster: bool | None = None, **options: Any) -> Any:
@@ -78,28 +78,16 @@ def connect(url: str, *, cluster: bool | None = None, **options: Any) -> Any:
 
     ``cluster``: None = from the URL's scheme; True = a cluster even for a ``redis://`` URL.
     ``options`` go to the client (socket_timeout, decode_responses, retry, …); without
-    ``retry``, a command that timed out is not sent again (see ``_no_timeout_retry``).
+    ``retry``, a command that timed out is not sent again (see ``_open``).
     """
-    options = _no_timeout_retry(options, Retry)
-    if not _want_cluster(url, cluster):
-        return redis.Redis.from_url(url, **options)
-    if not is_cluster_url(url):
-        return RedisCluster.from_url(url, **options)
-    seed, others = split_cluster_url(url)
-    nodes = [ClusterNode(h, p) for h, p in others]
-    return RedisCluster.from_url(seed, startup_nodes=nodes, **options)
+    return _open(url, cluster, options, (Retry, redis.Redis, RedisCluster, ClusterNode))
 
 
 def connect_async(url: str, *, cluster: bool | None = None, **options: Any) -> Any:
-    """The asyncio twin of :func:`connect`: ``redis.asyncio.Redis`` or its ``RedisCluster``."""
-    options = _no_timeout_retry(options, AsyncRetry)
-    if not _want_cluster(url, cluster):
-        return use_hiredis_packing(aioredis.Redis.from_url(url, **options))
-    if not is_cluster_url(url):
-        return AsyncRedisCluster.from_url(url, **options)
-    seed, others = split_cluster_url(url)
-    nodes = [AsyncClusterNode(h, p) for h, p in others]
-    return AsyncRedisCluster.from_url(seed, startup_nodes=nodes, **options)
+    """The asyncio twin of :func:`connect`: ``redis.asyncio.Redis`` (packing with hiredis) or
+    its ``RedisCluster``."""
+    clients = (AsyncRetry, aioredis.Redis, AsyncRedisCluster, AsyncClusterNode)
+    return use_hiredis_packing(_open(url, cluster, options, clients))
 
 
 __all__ = ["connect", "connect_async", "is_cluster_url", "split_cluster_url"]

@@ -1,7 +1,6 @@
-"""The library's exceptions: one base class, one subclass per thing a caller may handle.
-
-Each carries what a caller needs as fields (the filter, the parameter and its limit, the
-results so far), so nobody has to read them out of the message.
+"""The library's exceptions: one base class, one subclass per thing a caller may handle, each
+carrying what a caller needs as fields (the filter, the parameter and its limit, the results so
+far), so nobody has to read them out of the message.
 """
 
 from __future__ import annotations
@@ -15,10 +14,8 @@ RedisUnreachable = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class GuardError(Exception):
-    """Base class of every error the guard library raises on purpose.
-
-    ``filter``: the name of the filter concerned, when there is one.
-    """
+    """Base class of every error the library raises on purpose; ``filter``: the name of the
+    filter concerned, when there is one."""
 
     def __init__(self, message: str = "", *, filter: str | None = None) -> None:
         super().__init__(message)
@@ -26,11 +23,9 @@ class GuardError(Exception):
 
 
 class InvalidParameterError(GuardError, ValueError):
-    """A parameter is out of range; raised before anything is written.
-
-    ``param``: the parameter at fault (None when no single one is); ``limit``: what it
-    accepts, in words ("an integer from 0 to 16"); ``value``: what it was given.
-    """
+    """A parameter is out of range; raised before anything is written. ``param``: the one
+    at fault (None when no single one is); ``limit``: what it accepts, in words ("an integer
+    from 0 to 16"); ``value``: what it was given."""
 
     def __init__(
         self,
@@ -56,10 +51,8 @@ class FilterExistsError(GuardError):
 
 
 class FilterFullError(GuardError):
-    """A fixed-size filter (or one at its growth limit) has no room for an item.
-
-    ``results`` tells, item by item, which ones of the batch were added before the failure.
-    """
+    """A fixed-size filter (or one at its growth limit) has no room for an item. ``results``
+    tells, item by item, which ones of the batch were added before the failure."""
 
     def __init__(
         self, message: str, results: list[bool] | None = None, *, filter: str | None = None
@@ -69,10 +62,8 @@ class FilterFullError(GuardError):
 
 
 class FilterCorruptError(GuardError):
-    """The stored filter's bytes are inconsistent (docs/format.md, "Valid values").
-
-    The message reads ``"<filter>: <reason>"``; ``filter`` and ``reason`` hold the two parts.
-    """
+    """The stored filter's bytes are inconsistent (docs/format.md, "Valid values"). The
+    message reads ``"<filter>: <reason>"``; ``filter`` and ``reason`` hold the two parts."""
 
     filter: str
 
@@ -85,10 +76,8 @@ class FilterCorruptError(GuardError):
 
 class ChangeSourceError(GuardError):
     """The filter follows another change log than the one given: it was built from another
-    database (or another install of the change feed). Rebuild it from this one.
-
-    ``stored`` is the change log identity the filter holds, ``given`` the caller's.
-    """
+    database (or another install of the change feed); rebuild it from this one. ``stored`` is
+    the change log identity the filter holds, ``given`` the caller's."""
 
     def __init__(self, filter: str, stored: int, given: int) -> None:
         super().__init__(

@@ -48,12 +48,10 @@ def item_hash(item: str | bytes, seed: int) -> tuple[int, int]:
 
 def item_hashes(items: Sequence[str | bytes], seed: int, shards: int = 0) -> np.ndarray:
     """``item_hash`` of many items at once: an ``(n, 2)`` int64 array of ``(h, g)`` rows, and
-    with ``shards`` a third column, each item's ``shard_of`` (a bulk build splits by it).
-
-    The 16-byte digest is the same 128-bit hash, little-endian, so its first word holds ``h``
-    and its second ``g`` and the shard bits; one C call per item and the masking on whole
-    arrays cost a third of ``item_hash``'s Python-level bit operations.
-    """
+    with ``shards`` a third column, each item's ``shard_of`` (a bulk build splits by it). The
+    16-byte digest is the same hash, little-endian (``h`` in its first word, ``g`` and the
+    shard bits in its second): one C call per item and masking whole arrays cost a third of
+    ``item_hash``'s Python-level bit operations."""
     words = np.frombuffer(_digests(items, seed), dtype="<u8").reshape(-1, 2)
     rows = words & np.array([H_MASK, G_MASK], dtype=np.uint64)
     if shards:

@@ -7,7 +7,6 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from functools import lru_cache
 from typing import Any, Protocol
 
 from guard.breaker import RedisBreaker
@@ -46,25 +45,24 @@ def key_from_match(scope: Scope, match: re.Match[str]) -> str | None:
 class GuardMiddleware:
     """Guards GET/HEAD requests whose path matches one of `paths`.
 
-    The filter says absent → 404 `{"detail": "Not Found"}` with `X-Guard: blocked` and the
-    app is never called. Otherwise the request goes on with `X-Guard: passed`, and the
-    decision is left in `scope["guard.decision"]` so the app can count false positives.
+    The filter says absent → 404 `{"detail": "Not Found"}` with `X-Guard: blocked`, and the
+    app is never called. Otherwise the request goes on with `X-Guard: passed`; the decision is
+    left in `scope["guard.decision"]` so the app can count false positives.
 
-    When the lookup fails (Redis down, the filter's data damaged), `fail_open=True` lets the
-    request through (`X-Guard: bypassed`) because the filter only saves work and the database
-    still answers correctly; `fail_open=False` answers 503 with Retry-After. A missing filter
-    is always bypassed: with no filter there is nothing to say a key is absent. After Redis
-    failed, it is left alone for `cooldown` seconds (through `breaker`, which the app may
-    share with its own Redis calls); a damaged filter does not trip the breaker, for Redis
-    itself answers. A failure is logged once per incident (and when it clears), not once per
-    request, and each failed lookup is reported to `on_failure` with its reason:
-    "unreachable", "damaged" or "error".
+    A failed lookup (Redis down, the filter's data damaged) lets the request through with
+    `fail_open=True` (`X-Guard: bypassed`: the filter only saves work, the database still
+    answers correctly), else answers 503 with Retry-After. A missing filter is always bypassed:
+    with no filter nothing says a key is absent. After Redis failed, it is left alone for
+    `cooldown` seconds (through `breaker`, which the app may share with its own Redis calls);
+    a damaged filter does not trip the breaker, for Redis itself answers. A failure is logged
+    once per incident (and when it clears), and each failed lookup is reported to `on_failure`
+    with its reason: "unreachable", "damaged" or "error".
 
-    `stale`, when given, says whether the filter is known to be behind the data it guards
-    (it missed changes, was rolled back, lost its data): while it answers True the filter is
-    not asked, for its "absent" could be a row it never got; the request is bypassed or
-    rejected as for a failed lookup, and reported to `on_failure` as "stale". Whoever decides
-    staleness logs its incidents (the middleware only sees requests).
+    While `stale(scope)` says the filter is behind the data it guards (it missed changes, was
+    rolled back, lost its data), it is not asked, for its "absent" could be a row it never
+    got: the request is bypassed or rejected as for a failed lookup, and reported to
+    `on_failure` as "stale". Whoever decides staleness logs its incidents (the middleware only
+    sees requests).
     """
 
     def __init__(
@@ -98,25 +96,29 @@ class GuardMiddleware:
         self.stale = stale
         self._incident_since: float | None = None
         self._incident_reason: str | None = None
+        self._answers = {
+            BLOCKED: _answer(404, "Not Found", BLOCKED),
+            REJECTED: _answer(503, "Guard filter unavailable", REJECTED, retry_after),
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self._guarded_key(scope)
         if key is None:
-            await self.app(scope, receive, send)
-            return
+            return await self.app(scope, receive, send)
         decision = await self._decide(scope, key)
         if self.on_decision is not None:
             self.on_decision(decision)
         # Set on the scope itself rather than a copy, so outer middleware (metrics) sees it,
         # as it sees what the router adds.
         scope["guard.decision"] = decision
-        if decision == BLOCKED:
-            await self._answer(scope, send, 404, {"detail": "Not Found"}, decision)
-        elif decision == REJECTED:
-            body = {"detail": "Guard filter unavailable"}
-            await self._answer(scope, send, 503, body, decision, self.retry_after)
-        else:
-            await self.app(scope, receive, _tagged(send, decision))
+        answer = self._answers.get(decision)
+        if answer is None:
+            return await self.app(scope, receive, _tagged(send, decision))
+        # Sent by hand: exceptions raised in middleware never reach the app's handlers.
+        status, headers, payload = answer
+        await send({"type": "http.response.start", "status": status, "headers": list(headers)})
+        body = b"" if scope["method"] == "HEAD" else payload
+        await send({"type": "http.response.body", "body": body})
 
     def _guarded_key(self, scope: Scope) -> str | None:
         if scope["type"] != "http" or scope["method"] not in self.methods:
@@ -166,36 +168,16 @@ class GuardMiddleware:
 
     def _recovered(self) -> None:
         if self._incident_since is not None:
-            log.warning(
-                "guard filter reachable again after %.1f s", time.monotonic() - self._incident_since
-            )
-            self._incident_since = None
-            self._incident_reason = None
-
-    @staticmethod
-    async def _answer(
-        scope: Scope,
-        send: Send,
-        status: int,
-        body: dict[str, str],
-        decision: str,
-        retry_after: int | None = None,
-    ) -> None:
-        # Sent by hand: exceptions raised in middleware never reach the app's handlers.
-        payload, headers = _response(status, tuple(body.items()), decision, retry_after)
-        await send({"type": "http.response.start", "status": status, "headers": list(headers)})
-        await send(
-            {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else payload}
-        )
+            since = time.monotonic() - self._incident_since
+            log.warning("guard filter reachable again after %.1f s", since)
+            self._incident_since = self._incident_reason = None
 
 
-@lru_cache(maxsize=64)
-def _response(
-    status: int, body: tuple[tuple[str, str], ...], decision: str, retry_after: int | None
-) -> tuple[bytes, tuple[tuple[bytes, bytes], ...]]:
-    """An answer's body and headers, encoded once: the guard gives a few answers, over and
-    over (a blocked request is the busiest path there is)."""
-    payload = json.dumps(dict(body), separators=(",", ":")).encode()
+def _answer(
+    status: int, detail: str, decision: str, retry_after: int | None = None
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """A response the guard sends itself, encoded once: a blocked request is the busiest path."""
+    payload = json.dumps({"detail": detail}, separators=(",", ":")).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(payload)).encode()),
@@ -203,7 +185,7 @@ def _response(
     ]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
-    return payload, tuple(headers)
+    return status, headers, payload
 
 
 def _tagged(send: Send, decision: str) -> Send:

@@ -38,8 +38,7 @@ class _HiredisPacking(AbstractConnection):
     def pack_command(self, *args: Any) -> list[bytes]:
         if not self._utf8:
             return super().pack_command(*args)
-        packed: list[bytes] = self._packer.pack(*args)
-        return packed
+        return self._packer.pack(*args)
 
 
 # redis-py's own socket connections, each with hiredis packing; others (fakeredis's, a

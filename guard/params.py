@@ -32,14 +32,11 @@ class Limit(NamedTuple):
     open: bool = False  # both bounds exclusive
 
     def check(self, name: str, value: object) -> None:
-        if self.accepts(value):
-            return
-        raise InvalidParameterError(
-            f"{name} must be {self.describe()}, got {value!r}",
-            param=name,
-            limit=self.describe(),
-            value=value,
-        )
+        if not self.accepts(value):
+            limit = self.describe()
+            raise InvalidParameterError(
+                f"{name} must be {limit}, got {value!r}", param=name, limit=limit, value=value
+            )
 
     def accepts(self, value: object) -> bool:
         kinds = int if self.integer else int | float
@@ -102,18 +99,16 @@ class FilterParams:
             raise InvalidParameterError(
                 "give error_rate or fingerprint_bits, not both", param="fingerprint_bits"
             )
-        if self.error_rate is not None:
-            bits = layout.fp_bits_for(self.error_rate, self.bucket_size, self.expansion > 0)
-            if bits > layout.MAX_FP_BITS:
-                lowest = min_error_rate(self.bucket_size, self.expansion > 0)
-                raise InvalidParameterError(
-                    f"error_rate {self.error_rate} needs {bits}-bit fingerprints; "
-                    f"the limit is {layout.MAX_FP_BITS}",
-                    param="error_rate",
-                    limit=f"at least {lowest:g} with bucket_size {self.bucket_size}"
-                    f" and expansion {self.expansion}",
-                    value=self.error_rate,
-                )
+        if self.error_rate is not None and self.fp_bits > layout.MAX_FP_BITS:
+            lowest = min_error_rate(self.bucket_size, self.expansion > 0)
+            raise InvalidParameterError(
+                f"error_rate {self.error_rate} needs {self.fp_bits}-bit fingerprints; "
+                f"the limit is {layout.MAX_FP_BITS}",
+                param="error_rate",
+                limit=f"at least {lowest:g} with bucket_size {self.bucket_size}"
+                f" and expansion {self.expansion}",
+                value=self.error_rate,
+            )
 
     @classmethod
     def of(cls, capacity: int | FilterParams, **options: Any) -> FilterParams:

@@ -13,18 +13,17 @@ allows: the tag in one 64-bit word, a bucket in as few reads as hold whole slots
 (one for b=4, f=16). Two bucket reads per item are why a batched lookup costs Redis several
 times what a native module's CF.MEXISTS does.
 
-Batches are planned and checked with numpy: per item, Python-level arithmetic and slot loops
-cost several times what Redis spends answering. Small batches (one request's single lookup)
-stay in plain Python, where numpy's fixed cost per call would dominate: a plan takes the form
-its hashes come in (guard/hashing.py: ``hash_batch``), and both forms run hashing's functions.
+Batches are planned and checked with numpy (per item, Python arithmetic and slot loops cost
+several times what Redis spends answering), small ones in plain Python (numpy's fixed cost per
+call would dominate): a plan takes the form its hashes come in (hashing.hash_batch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
-from typing import NamedTuple
+from functools import lru_cache
+from typing import Any
 
 import numpy as np
 from mmh3 import hash128
@@ -38,60 +37,37 @@ _H_MASK, _G_MASK, _mix = hashing.H_MASK, hashing.G_MASK, hashing.mix
 
 
 class TagMismatch(Exception):
-    """A sub-filter's tag is not the one the handle's layout predicts.
-
-    The filter grew or was replaced (the handle is stale), or the key is gone or damaged: only
-    a full header check (a script) can tell which.
-    """
+    """A sub-filter's tag is not the one the handle's layout predicts: the filter grew or was
+    replaced (the handle is stale), or the key is gone or damaged. Only a full header check (a
+    script) can tell which."""
 
     def __init__(self, key: str) -> None:
         super().__init__(f"tag mismatch in {key}")
         self.key = key
 
 
-@dataclass(frozen=True)
 class _BucketReads:
     """How one bucket of a sub-filter is read: (first slot, slots, bits) per GET."""
 
-    parts: tuple[tuple[int, int, int], ...]
-    fp_bits: int
-
-    @classmethod
-    def plan(cls, bucket_size: int, fp_bits: int) -> _BucketReads:
-        per_read = max(1, min(bucket_size, 64 // fp_bits))
-        parts = tuple(
-            (s, min(per_read, bucket_size - s), min(per_read, bucket_size - s) * fp_bits)
+    def __init__(self, bucket_size: int, fp_bits: int) -> None:
+        f, per_read = fp_bits, max(1, min(bucket_size, 64 // fp_bits))
+        self.fp_bits = f
+        self.parts = tuple(
+            (s, min(per_read, bucket_size - s), min(per_read, bucket_size - s) * f)
             for s in range(0, bucket_size, per_read)
         )
-        return cls(parts, fp_bits)
-
-    @cached_property
-    def _reads(self) -> tuple[tuple[str, str, int], ...]:
         # u64 does not exist (unsigned tops out at 63 bits): read i64, fix the sign on use.
-        return tuple(
-            ("GET", "i64" if bits == 64 else f"u{bits}", first * self.fp_bits)
-            for first, _, bits in self.parts
-        )
+        self._reads = [("GET", "i64" if n == 64 else f"u{n}", s * f) for s, _, n in self.parts]
+        # Per read, (lo, hi): a 1 in the lowest, and in the highest, bit of every slot.
+        lows = [sum(1 << (j * f) for j in range(count)) for _, count, _ in self.parts]
+        self.lanes = [(lo, lo << (f - 1)) for lo in lows]
+        self._both_lanes = self.lanes * 2
 
     def gets(self, bucket_bit: int) -> list[object]:
         out: list[object] = []
         for get, kind, start in self._reads:
             out += (get, kind, bucket_bit + start)
         return out
-
-    @cached_property
-    def lanes(self) -> list[tuple[int, int]]:
-        """Per read, (lo, hi): a 1 in the lowest, and in the highest, bit of every slot."""
-        f = self.fp_bits
-        out = []
-        for _, count, _ in self.parts:
-            lo = sum(1 << (j * f) for j in range(count))
-            out.append((lo, lo << (f - 1)))
-        return out
-
-    @cached_property
-    def _both_lanes(self) -> list[tuple[int, int]]:
-        return self.lanes * 2
 
     def holds(self, values: Sequence[int], fp: int) -> bool:
         """Whether either bucket's reads (both buckets', in order) hold ``fp``."""
@@ -112,42 +88,30 @@ class _Command:
     args: list[object]
 
 
-class _Subfilter(NamedTuple):
-    """What reading one sub-filter takes, derived from the layout alone."""
+class _Subfilter:
+    """What reading sub-filter ``n`` takes, derived from the layout alone."""
 
-    reads: _BucketReads
-    tag: int  # the tag as BITFIELD's i64 read answers it
-    tag_read: tuple[str, str, int]
-    buckets: int
-    per_command: int  # items per read command
+    def __init__(self, layout: Layout, n: int) -> None:
+        self.reads = _BucketReads(layout.bucket_size, layout.fp_bits_at(n))
+        self.tag = int.from_bytes(layout.tag(n), "big", signed=True)  # as BITFIELD's i64 reads it
+        self.tag_read = ("GET", "i64", (layout.string_bytes(n) - TAG_BYTES) * 8)
+        self.buckets = layout.buckets(n)
+        # Items per read command: at most MAX_GETS reads in one, the tag's among them.
+        self.per_command = max(1, (MAX_GETS - 1) // (2 * len(self.reads.parts)))
 
 
 @lru_cache(maxsize=256)  # a handle holds one layout at a time; a service has a few handles
 def _per_subfilter(layout: Layout) -> tuple[_Subfilter, ...]:
     """Worked out once per layout, not once per lookup."""
-    out = []
-    for n in range(layout.subfilters):
-        reads = _BucketReads.plan(layout.bucket_size, layout.fp_bits_at(n))
-        out.append(
-            _Subfilter(
-                reads,
-                int.from_bytes(layout.tag(n), "big", signed=True),
-                ("GET", "i64", (layout.string_bytes(n) - TAG_BYTES) * 8),
-                layout.buckets(n),
-                max(1, (MAX_GETS - 1) // (2 * len(reads.parts))),
-            )
-        )
-    return tuple(out)
+    return tuple(_Subfilter(layout, n) for n in range(layout.subfilters))
 
 
 class SingleRead:
     """One item's lookup in a filter of one sub-filter, the most frequent read of all (a web
-    request's): the command ReadPlan makes for it, from arithmetic written out inline.
-
-    A handle keeps one per layout; ``command`` and ``holds`` are the only Python calls a
-    lookup makes beyond the driver's (ReadPlan's general planning costs a single item more
-    than Redis and the client library spend on it). The same arithmetic as guard/hashing.py,
-    inlined: the tests compare both plans' commands.
+    request's): ReadPlan's command for it, with hashing.py's arithmetic written out inline
+    (the tests compare both). A handle keeps one per layout; ``command`` and ``holds`` are
+    the only Python calls such a lookup makes beyond the driver's, where ReadPlan's general
+    planning would cost more than Redis and the client library spend on it.
     """
 
     def __init__(self, layout: Layout) -> None:
@@ -159,8 +123,7 @@ class SingleRead:
         self._reads = sub.reads
         f = layout.fp_bits
         # One read per bucket (b * f <= 64: b=4 with f=16, say): its type; else None.
-        reads = sub.reads._reads
-        kind = reads[0][1] if len(reads) == 1 else None
+        kind = sub.reads._reads[0][1] if len(sub.reads.parts) == 1 else None
         # Everything command() needs, unpacked in one step (attribute loads add up here).
         self._consts = (
             layout.seed,
@@ -209,60 +172,49 @@ class ReadPlan:
     """The commands answering ``lookup`` for a batch under one layout, and their check."""
 
     def __init__(self, layout: Layout, hashes: hashing.Hashes, key: Callable[[int], str]) -> None:
-        self.layout = layout
         self.count = len(hashes)
         self.vector = isinstance(hashes, np.ndarray)  # (n, 2) int64: planned with numpy
         self.subfilters = _per_subfilter(layout)
         self.commands: list[_Command] = []
         self._fps: list[np.ndarray] = []  # vector plans: fingerprints per sub-filter
-        if isinstance(hashes, np.ndarray):
-            self._plan_vector(hashes, key)
+        b, f0, base = layout.bucket_size, layout.fp_bits, HEADER_BYTES * 8
+        h: Any  # h, fixed g, and the mix giving the alternate bucket in every sub-filter
+        g: Any
+        if isinstance(hashes, np.ndarray):  # whole arrays (every value stays below 2**53)
+            h, g = hashes[:, 0], hashing.fix_g(hashes[:, 1], f0)
+            mixed = hashing.mix(hashing.fingerprint(g, f0))
         else:
-            self._plan_scalar(hashes, key)
-
-    def _plan_scalar(self, hashes: Sequence[tuple[int, int]], key: Callable[[int], str]) -> None:
-        f0, b, base = self.layout.fp_bits, self.layout.bucket_size, HEADER_BYTES * 8
-        items = []  # (h, fixed g, the mix giving the alternate bucket in every sub-filter)
-        for h, g in hashes:
-            g = hashing.fix_g(g, f0)
-            items.append((h, g, hashing.mix(hashing.fingerprint(g, f0))))
-        for n, sub in enumerate(self.subfilters):
-            m, f, gets = sub.buckets, sub.reads.fp_bits, sub.reads.gets
-            for start in range(0, max(1, self.count), sub.per_command):
-                stop = min(self.count, start + sub.per_command)
-                args: list[object] = [key(n), *sub.tag_read]
-                fps = []
-                for h, g, mixed in items[start:stop]:
-                    i1, i2 = hashing.buckets(h, mixed, m)
-                    fps.append(hashing.fingerprint(g, f))
-                    args += gets(base + i1 * b * f)
-                    args += gets(base + i2 * b * f)
-                self.commands.append(_Command(n, list(range(start, stop)), fps, args))
-
-    def _plan_vector(self, hg: np.ndarray, key: Callable[[int], str]) -> None:
-        """The same, on whole arrays (every value stays below 2**53)."""
-        b, f0 = self.layout.bucket_size, self.layout.fp_bits
-        h, g = hg[:, 0], hashing.fix_g(hg[:, 1], f0)
-        mixed = hashing.mix(hashing.fingerprint(g, f0))
+            h, g = [x for x, _ in hashes], [hashing.fix_g(x, f0) for _, x in hashes]
+            mixed = [hashing.mix(hashing.fingerprint(x, f0)) for x in g]
         for n, sub in enumerate(self.subfilters):
             m, f, reads = sub.buckets, sub.reads.fp_bits, sub.reads
-            i1, i2 = hashing.buckets(h, mixed, m)
-            self._fps.append(hashing.fingerprint(g, f))
+            starts = [start for _, _, start in reads._reads]  # each read's bit in a bucket
+            fps: Any
+            if self.vector:
+                i1, i2 = hashing.buckets(h, mixed, m)
+                fps = hashing.fingerprint(g, f)
+                self._fps.append(fps)
+                at = base + np.stack([i1, i2], axis=1) * (b * f)
+                offsets = (at[:, :, None] + np.array(starts)).ravel().tolist()
+            else:
+                fps = [hashing.fingerprint(x, f) for x in g]
+                offsets = [
+                    base + i * b * f + s
+                    for item_h, item_mixed in zip(h, mixed, strict=True)
+                    for i in hashing.buckets(item_h, item_mixed, m)
+                    for s in starts
+                ]
             # Per item, both buckets' reads in order, each as (GET, type, bit offset): a
             # repeated template whose every third entry is overwritten by the offsets.
-            parts = len(reads.parts)
-            offsets = np.empty((self.count, 2, parts), dtype=np.int64)
-            for j, (first, _, _) in enumerate(reads.parts):
-                offsets[:, 0, j] = HEADER_BYTES * 8 + (i1 * b + first) * f
-                offsets[:, 1, j] = HEADER_BYTES * 8 + (i2 * b + first) * f
-            unit = reads.gets(0) * 2  # one item's reads; its offsets are placeholders
+            unit = reads.gets(0) * 2
             flat = unit * self.count
-            flat[2::3] = offsets.ravel().tolist()
+            flat[2::3] = offsets
             per_command, width = sub.per_command, len(unit)
             for start in range(0, self.count, per_command):
                 stop = min(self.count, start + per_command)
                 args = [key(n), *sub.tag_read, *flat[start * width : stop * width]]
-                self.commands.append(_Command(n, list(range(start, stop)), [], args))
+                own = [] if self.vector else fps[start:stop]
+                self.commands.append(_Command(n, list(range(start, stop)), own, args))
 
     def evaluate(self, replies: Sequence[Sequence[int]]) -> list[bool]:
         """Results per item; raises TagMismatch when a sub-filter's tag is not the expected one."""
