@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Generator, Hashable, Mapping
 from types import GeneratorType
-from typing import Any, NamedTuple, TypeAlias, TypeVar
+from typing import Any, NamedTuple, TypeAlias, TypeVar, cast
 
 from guard import layout
 from guard.errors import FilterCorruptError
@@ -101,6 +101,7 @@ class Reads(NamedTuple):
 # its round raised (a batch never throws: each round's failure is its own).
 Batch: TypeAlias = dict[Any, Round | Reads]
 Op: TypeAlias = Generator[Round | Batch | Work, Any, T]
+MakeOp = TypeVar("MakeOp", bound=Callable[..., Op[Any]])
 
 
 class OneCommand:
@@ -262,16 +263,16 @@ def _finish(
     return answers
 
 
-def forgets_on_damage(make_op: Callable[..., Op[T]]) -> Callable[..., Op[T]]:
+def forgets_on_damage(make_op: MakeOp) -> MakeOp:
     """An operation that meets damage leaves its handle with no layout: the bytes no longer
     back the one it had, and the next call must verify the filter again, not trust it."""
 
     @functools.wraps(make_op)
-    def op(self: Any, *args: Any, **kwargs: Any) -> Op[T]:
+    def op(self: Any, *args: Any, **kwargs: Any) -> Op[Any]:
         try:
             return (yield from make_op(self, *args, **kwargs))
         except FilterCorruptError:
             self._layout = layout.UNKNOWN_LAYOUT
             raise
 
-    return op
+    return cast(MakeOp, op)
