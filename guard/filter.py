@@ -40,7 +40,6 @@ from guard.layout import (
     Stored,
     pack_header,
     probe_reads,
-    string_bytes,
     unpack_header,
     verify_stored,
 )
@@ -100,7 +99,6 @@ class FilterOps:
         self.redis = redis
         self.name = check_name(name)
         self.prefix = prefix
-        self._variant = _variant
         self._shard = _shard
         self._base = base_key(prefix, name, _shard, _variant)
         self._layout = UNKNOWN_LAYOUT
@@ -191,8 +189,8 @@ class FilterOps:
         return Target([self])
 
     def _create_op(self, layout: Layout, header: bytes) -> Op[FilterInfo]:
-        total = string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
-        yield Round([Call("reserve", [self.key(0)], [header, total, layout.tag(0)])])
+        args = [header, layout.string_bytes(0), layout.tag(0)]
+        yield Round([Call("reserve", [self.key(0)], args)])
         self._layout = layout
         return (yield from self._info_op())
 
@@ -213,13 +211,9 @@ class FilterOps:
             flat = hashing.flat(hashing.hash_batch(data, layout.seed))
             keys = self._keys(layout.subfilters)
             read_only = script == "count" and self._read_scripts
+            parts = [layout.args() + flat[2 * a : 2 * b] for a, b in pending]
             try:
-                replies = yield Round(
-                    [
-                        Call(script, keys, layout.args() + flat[2 * a : 2 * b], read_only)
-                        for a, b in pending
-                    ]
-                )
+                replies = yield Round([Call(script, keys, args, read_only) for args in parts])
             except ResponseError as exc:
                 # Redis 6.2 and fakeredis have no EVALSHA_RO; EVALSHA of a script that only
                 # reads runs on a replica all the same.
@@ -264,10 +258,9 @@ class FilterOps:
         return _QueuedLookup(self, item)
 
     def _lookup_failed(self, exc: BaseException, used: str, item: bytes) -> Op[bool]:
-        """What a single lookup whose command (``used``) failed goes on with: the general
-        lookup when fakeredis, which has no BITFIELD_RO, refused it (BITFIELD with only
-        GETs reads the same); else nothing, ``exc`` is raised (damage first leaves the
-        handle with no layout: forgets_on_damage's rule, without its extra generator)."""
+        """A single lookup whose command (``used``) failed: it goes on as the general lookup
+        when fakeredis refused BITFIELD_RO, else ``exc`` is raised (damage first forgets the
+        layout, as forgets_on_damage would, without its extra generator)."""
         if isinstance(exc, ResponseError) and self._refused_ro(exc, used):
             return self._lookup_rest(item)
         if isinstance(exc, FilterCorruptError):

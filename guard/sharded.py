@@ -6,7 +6,7 @@ still touches the keys of one slot only. An item's shard is bits 96..127 of its 
 (guard/hashing.py: ``shard_of``), which the bucket and fingerprint bits never use.
 
 Nothing here re-implements the filter: each operation runs the single filter's generators,
-one per shard, in lock step (guard/driver.py: ``lockstep``), and the handles are the single
+one per shard, in lock step (guard/ops.py: ``lockstep``), and the handles are the single
 filter's too (guard/facade.py): every round of every shard goes out at once, the plain ones in
 one pipeline, which a ``RedisCluster`` writes to every node before reading any reply.
 """
