@@ -129,6 +129,17 @@ class FilterOps:
             return True
         return False
 
+    def _reads_op(self, reads: list[list[Any]], atomic: bool = False) -> Op[list[Any]]:
+        """BITFIELD_RO commands (``reads``: their arguments), as BITFIELD once fakeredis has
+        refused BITFIELD_RO."""
+        while True:
+            used = self._read_command
+            try:
+                return (yield Round([Command(used, args) for args in reads], atomic))
+            except ResponseError as exc:
+                if not self._refused_ro(exc, used):
+                    raise
+
     def _kept_changing(self, during: str) -> GuardError:
         return GuardError(f"{self.name}: layout kept changing {during}", filter=self.name)
 
@@ -294,14 +305,8 @@ class FilterOps:
                 seed = layout.seed
                 hashes = hashing.hash_batch(data, seed)
             plan = ReadPlan(layout, hashes, self.key)
-            used = self._read_command
-            commands: list[Call | Command] = [Command(used, c.args) for c in plan.commands]
-            try:
-                replies = yield Round(commands, atomic=layout.subfilters > 1)
-            except ResponseError as exc:
-                if self._refused_ro(exc, used):
-                    continue
-                raise
+            reads = [c.args for c in plan.commands]
+            replies = yield from self._reads_op(reads, atomic=layout.subfilters > 1)
             try:
                 return plan.evaluate(replies)
             except TagMismatch as bad:
@@ -448,23 +453,14 @@ class FilterOps:
         # sub-filter 0's tag beside the id: the tag proves the string is the one the layout
         # describes, as for a lookup. Otherwise, or when the tag disagrees, the probe
         # verifies every sub-filter and the id comes from its header.
-        for _ in range(MAX_RETRIES):
-            layout = self._layout
-            if not layout.buckets0:
-                break
+        layout = self._layout
+        if layout.buckets0:
             tag_at = (layout.string_bytes(0) - TAG_BYTES) * 8
-            used = self._read_command
-            read = Command(used, [self.key(0), "GET", "i64", tag_at, "GET", "i64", APPLIED_AT * 8])
-            try:
-                ((tag, applied),) = yield Round([read])
-            except ResponseError as exc:
-                if self._refused_ro(exc, used):
-                    continue
-                raise
+            read = [self.key(0), "GET", "i64", tag_at, "GET", "i64", APPLIED_AT * 8]
+            ((tag, applied),) = yield from self._reads_op([read])
             expected = int.from_bytes(layout.tag(0), "big", signed=True)
             if tag == expected and 0 <= applied <= MAX_CHANGE_ID:
                 return int(applied)
-            break
         stored = yield from self._probe_op()
         return unpack_header(stored[0].header).applied
 
