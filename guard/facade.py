@@ -18,7 +18,7 @@ from guard.bulk import Items, Target, load_op
 from guard.coalesce import LookupCoalescer
 from guard.driver import AsyncRunner, SyncRunner
 from guard.hashing import to_bytes
-from guard.ops import OneCommand, Op, lockstep
+from guard.ops import OneCommand, Op, lockstep, raise_first
 from guard.params import FilterParams
 
 P = ParamSpec("P")
@@ -33,9 +33,6 @@ class operation(Generic[P, T]):
         self.make = make
         self.name = make.__name__
         self.__doc__ = make.__doc__
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> operation[P, T]: ...
@@ -281,9 +278,7 @@ class _Queue(Facade[InfoT]):
         results = yield from lockstep(dict(enumerate(ops)))
         out = [results[k] for k in range(len(ops))]
         if raise_on_error:
-            for result in out:
-                if isinstance(result, Exception):
-                    raise result
+            raise_first(out)
         return out
 
 

@@ -389,14 +389,13 @@ class FilterOps:
         self._layout = UNKNOWN_LAYOUT
         return bool(existed)
 
-    def _promote_op(self, only_if_new: bool = False) -> Op[bool]:
-        live = FilterOps(self.redis, self.name, self.prefix, _shard=self._shard)
-        return (yield from self._replace_op(live, only_if_new))
-
     @forgets_on_damage
-    def _replace_op(self, live: FilterOps, only_if_new: bool = False) -> Op[bool]:
-        """Promote this staging copy onto ``live``; when ``only_if_new``, only if no live
-        filter exists (FilterExistsError), checked in the promoting script itself."""
+    def _promote_op(self, only_if_new: bool = False, live: FilterOps | None = None) -> Op[bool]:
+        """Promote this staging copy onto ``live`` (by default the filter's live copy); when
+        ``only_if_new``, only if no live filter exists (FilterExistsError), checked in the
+        promoting script itself."""
+        if live is None:
+            live = FilterOps(self.redis, self.name, self.prefix, _shard=self._shard)
         keys = live._keys(MAX_SUBFILTERS) + self._keys(MAX_SUBFILTERS)
         for _ in range(MAX_RETRIES):
             layout = yield from self._known_layout()
@@ -407,8 +406,7 @@ class FilterOps:
                 return True
         raise self._kept_changing("during promote")
 
-    # -- the change feed (guard/changes.py): a single filter's handles have it, a sharded
-    # filter does not. Each an operation of its own, as guard/facade.py's methods are.
+    # -- the change feed (guard/changes.py): a single filter's handles have it, not a sharded one
 
     @operation
     @forgets_on_damage
@@ -449,10 +447,9 @@ class FilterOps:
     @forgets_on_damage
     def applied_change(self) -> Op[int]:
         """The id of the last database change applied to the filter (0: none)."""
-        # Read-only (it runs on a replica). With a layout cached, one BITFIELD_RO reads
-        # sub-filter 0's tag beside the id: the tag proves the string is the one the layout
-        # describes, as for a lookup. Otherwise, or when the tag disagrees, the probe
-        # verifies every sub-filter and the id comes from its header.
+        # Read-only (it runs on a replica): with a layout cached, one read of sub-filter 0's
+        # tag beside the id (the tag proves the string is the layout's, as for a lookup);
+        # else, or when the tag disagrees, the id from the header the probe verified.
         layout = self._layout
         if layout.buckets0:
             tag_at = (layout.string_bytes(0) - TAG_BYTES) * 8
@@ -560,13 +557,10 @@ class _QueuedLookup(OneCommand):
         return self._filter._lookup_rest(self._data, stale=True)
 
 
-class CuckooFilter(AsyncHandle[FilterInfo], FilterOps):
+class CuckooFilter(FilterOps, AsyncHandle[FilterInfo]):
     """A handle on one filter over ``redis.asyncio.Redis`` (or its ``RedisCluster``);
-    creating it does no I/O. Its methods are guard/facade.py's.
-
-    With ``coalesce`` (the default), concurrent lookups on this handle are sent together:
-    see guard/coalesce.py.
-    """
+    creating it does no I/O. Its methods are guard/facade.py's; with ``coalesce`` (the
+    default), concurrent lookups on it are sent together (guard/coalesce.py)."""
 
     def __init__(
         self,
@@ -582,7 +576,7 @@ class CuckooFilter(AsyncHandle[FilterInfo], FilterOps):
         self._start(coalesce)
 
 
-class SyncCuckooFilter(SyncHandle[FilterInfo], FilterOps):
+class SyncCuckooFilter(FilterOps, SyncHandle[FilterInfo]):
     """The same filter over a blocking ``redis.Redis`` (or ``RedisCluster``), for scripts
     and CLIs."""
 

@@ -9,7 +9,7 @@ The limits here bound what one call may cost the server.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Generator, Hashable, Mapping
+from collections.abc import Callable, Generator, Hashable, Iterable, Mapping
 from types import GeneratorType
 from typing import Any, NamedTuple, TypeAlias, TypeVar, cast
 
@@ -106,14 +106,12 @@ MakeOp = TypeVar("MakeOp", bound=Callable[..., Op[Any]])
 
 class OneCommand:
     """An operation that, when all goes as expected, is one plain command and a look at its
-    reply (a single lookup queued in a pipeline, guard/filter.py): ``lockstep`` runs it with
-    no generator, Round or Command. A pipeline of them makes one per item, and each object
-    kept alive until the replies come is one more the garbage collector walks: enough of
-    them make every pipeline of 100 trigger a collection.
+    reply (a single lookup queued in a pipeline, guard/filter.py), which ``lockstep`` runs
+    with no generator, Round or Command: those, one each per item and alive until the
+    replies come, made the garbage collector run in every pipeline of 100.
 
-    ``start`` and ``finish`` may each hand the work over to an operation (a generator, not
-    started) that goes on from there, as the generator this stands for would have.
-    """
+    ``start`` and ``finish`` may each hand over to an operation (a generator, not started)
+    that goes on as the generator this stands for would have."""
 
     __slots__ = ()
 
@@ -261,6 +259,13 @@ def _finish(
     if handed:  # the operations' order, as the generators handed over to had kept it
         answers = {key: answers[key] for key in running if key in answers}
     return answers
+
+
+def raise_first(results: Iterable[Any]) -> None:
+    """Raise the first exception among results of operations run side by side, if any."""
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
 
 
 def forgets_on_damage(make_op: MakeOp) -> MakeOp:

@@ -33,7 +33,7 @@ from guard.filter import FilterInfo, FilterOps
 from guard.hashing import shard_of, to_bytes
 from guard.layout import MAX_SHARDS, Stored, pack_header, unpack_header, verify_stored
 from guard.names import DEFAULT_PREFIX, STAGING
-from guard.ops import MAX_RETRIES, Command, OneCommand, Op, Round, lockstep
+from guard.ops import MAX_RETRIES, Command, Op, Round, lockstep, raise_first
 from guard.params import FilterParams, Limit
 
 
@@ -61,13 +61,6 @@ def shard_capacity(capacity: int, shards: int) -> int:
 
 SHARDS = Limit(1, MAX_SHARDS)
 _SUMMED = ("capacity", "items", "buckets", "memory_bytes", "deletes", "missed_deletes")
-
-
-def _raise_first(results: Iterable[Any]) -> None:
-    """Raise the first exception among per-shard results, if any."""
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
 
 
 class ShardedOps:
@@ -123,7 +116,7 @@ class ShardedOps:
             raise GuardError(
                 f"{self.name}: the filter was recreated during the call", filter=self.name
             )
-        _raise_first(out)
+        raise_first(out)
         return out
 
     def _rerouted(self, shard: int) -> BaseException | None:
@@ -136,11 +129,11 @@ class ShardedOps:
 
     # -- operations ----------------------------------------------------------------------
 
-    def _open_op(self) -> Op[None]:
+    def _open_op(self) -> Op[int]:
         """Read every shard's sub-filter 0 as the probe does (guard/filter.py): all present,
         verified, same seed, and made with this shard count. Read-only: fine on a replica."""
         answers = yield {i: h._probe_round(1) for i, h in enumerate(self._handles)}
-        _raise_first(answers.values())
+        raise_first(answers.values())
         present = [i for i in range(self.shards) if answers[i][0]]
         if not present:
             if any(answers[i][1] for i in range(self.shards)):  # sub-filters left: damage
@@ -168,7 +161,8 @@ class ShardedOps:
             raise FilterCorruptError(self.name, f"shard(s) {missing} missing")
         if len(seeds) != 1:
             raise FilterCorruptError(self.name, "the shards have different seeds")
-        self._seed = seeds.pop()
+        self._seed = seed = seeds.pop()
+        return seed
 
     def _items_op(
         self,
@@ -183,10 +177,9 @@ class ShardedOps:
         for _ in range(MAX_RETRIES):
             if not todo:
                 break
-            if self._seed is None:
-                yield from self._open_op()
             seed = self._seed
-            assert seed is not None
+            if seed is None:
+                seed = yield from self._open_op()
             groups: dict[int, list[int]] = {}
             for k in todo:
                 groups.setdefault(shard_of(data[k], seed, self.shards), []).append(k)
@@ -240,8 +233,7 @@ class ShardedOps:
     def _lookup_one_op(self, item: str | bytes) -> Op[bool]:
         return (yield from self._lookup_op([to_bytes(item)]))[0]
 
-    def _queued_lookup(self, item: str | bytes) -> Op[bool] | OneCommand:
-        return self._lookup_one_op(item)
+    _queued_lookup = _lookup_one_op  # a pipeline queues the same
 
     def _batch_op(self, script: str, items: Iterable[str | bytes]) -> Op[list[Any]]:
         return self._items_op(items, lambda h, d: h._batch_op(script, d))
@@ -262,7 +254,7 @@ class ShardedOps:
         answers = yield {
             i: Round([Command("EXISTS", [h.key(0)])]) for i, h in enumerate(self._handles)
         }
-        _raise_first(answers.values())
+        raise_first(answers.values())
         if any(answer[0] for answer in answers.values()):
             raise FilterExistsError(f"{self.name}: filter exists", filter=self.name)
 
@@ -291,10 +283,9 @@ class ShardedOps:
         if self._live is None:
             return None
         try:
-            yield from self._live._open_op()
+            return (yield from self._live._open_op())
         except FilterNotFoundError:
             return None
-        return self._live._seed
 
     def _info_op(self) -> Op[ShardedFilterInfo]:
         yield from self._open_op()  # info is not hot: re-check the shard count every time
@@ -332,12 +323,12 @@ class ShardedOps:
         if only_if_new:  # no shard swapped in while any exists (each one checks again)
             yield from live._refuse_existing_op()
         pairs = zip(self._handles, live._handles, strict=True)
-        yield from self._fan(h._replace_op(onto, only_if_new) for h, onto in pairs)
+        yield from self._fan(h._promote_op(only_if_new, onto) for h, onto in pairs)
         live._seed, self._seed = self._seed, None
         return True
 
 
-class ShardedCuckooFilter(AsyncHandle[ShardedFilterInfo], ShardedOps):
+class ShardedCuckooFilter(ShardedOps, AsyncHandle[ShardedFilterInfo]):
     """A filter spread over ``shards`` hash tags, over ``redis.asyncio`` (Redis or
     RedisCluster); creating the handle does no I/O. Same methods as ``CuckooFilter``."""
 
@@ -355,7 +346,7 @@ class ShardedCuckooFilter(AsyncHandle[ShardedFilterInfo], ShardedOps):
         self._start(coalesce)
 
 
-class SyncShardedCuckooFilter(SyncHandle[ShardedFilterInfo], ShardedOps):
+class SyncShardedCuckooFilter(ShardedOps, SyncHandle[ShardedFilterInfo]):
     """The sharded filter over a blocking ``redis.Redis`` or ``redis.cluster.RedisCluster``."""
 
 
