@@ -152,9 +152,8 @@ class FilterOps:
         return Round(calls, atomic=True)
 
     def _probe_op(self) -> Op[list[Stored]]:
-        """Read the stored filter, verify it, adopt its layout; returns what was read, one
-        Stored per sub-filter. It reads as many sub-filters as the handle last knew of, and
-        again when sub-filter 0 counts more."""
+        """Read the stored filter, verify it, adopt its layout: one Stored per sub-filter, as
+        many as the handle last knew of (read again when sub-filter 0 counts more)."""
         count = max(1, self._layout.subfilters)
         self._layout = UNKNOWN_LAYOUT  # nothing unverified is kept, even on failure
         for _ in range(MAX_RETRIES):
@@ -287,10 +286,8 @@ class FilterOps:
 
     @forgets_on_damage
     def _lookup_op(self, data: list[bytes]) -> Op[list[bool]]:
-        """Script-free: one read command per sub-filter and chunk (guard/reads.py).
-
-        ``data`` is already bytes: the public methods (and a sharded filter's routing) convert
-        each item once, before any batching."""
+        """Script-free: one read command per sub-filter and chunk (guard/reads.py). ``data`` is
+        already bytes: the public methods (and a sharded routing) convert each item once."""
         if not data:
             return []
         hashes: hashing.Hashes = []

@@ -33,7 +33,7 @@ from guard.filter import FilterInfo, FilterOps
 from guard.hashing import shard_of, to_bytes
 from guard.layout import MAX_SHARDS, Stored, pack_header, unpack_header, verify_stored
 from guard.names import DEFAULT_PREFIX, STAGING
-from guard.ops import MAX_RETRIES, Command, Op, Round, lockstep, raise_first
+from guard.ops import MAX_RETRIES, Op, lockstep, raise_first
 from guard.params import FilterParams, Limit
 
 
@@ -187,7 +187,14 @@ class ShardedOps:
                 {i: make(self._handles[i], [data[k] for k in idx]) for i, idx in groups.items()},
                 self._rerouted,
             )
-            todo, errors = [], []
+            if any(isinstance(r, FilterNotFoundError) for r in results.values()):
+                # One shard gone is a damaged filter, all gone a dropped one: the open check
+                # tells which (and raises it).
+                self._seed = None
+                yield from self._open_op()
+            in_order = (results[i] for i in groups)
+            raise_first(r for r in in_order if not isinstance(r, _Rerouted | FilterFullError))
+            todo = []
             for i, idx in groups.items():
                 result = results[i]
                 if isinstance(result, _Rerouted):
@@ -196,18 +203,8 @@ class ShardedOps:
                 if isinstance(result, FilterFullError):
                     full += 1
                     result = result.results
-                elif isinstance(result, BaseException):
-                    if isinstance(result, FilterNotFoundError):
-                        # One shard gone is a damaged filter, all gone a dropped one: the
-                        # open check tells which (and raises it).
-                        self._seed = None
-                        yield from self._open_op()
-                    errors.append(result)
-                    continue
                 for k, r in zip(idx, result, strict=True):
                     out[k] = r
-            if errors:
-                raise errors[0]
             if todo:
                 self._seed = None  # re-read the headers, then route the moved items again
                 todo.sort()
@@ -251,11 +248,9 @@ class ShardedOps:
 
     def _refuse_existing_op(self) -> Op[None]:
         """FilterExistsError when any shard exists."""
-        answers = yield {
-            i: Round([Command("EXISTS", [h.key(0)])]) for i, h in enumerate(self._handles)
-        }
-        raise_first(answers.values())
-        if any(answer[0] for answer in answers.values()):
+        exists = yield from lockstep(dict(enumerate(h._exists_op() for h in self._handles)))
+        raise_first(exists.values())
+        if any(exists.values()):
             raise FilterExistsError(f"{self.name}: filter exists", filter=self.name)
 
     def _bulk_target(self, applied: int, source: int) -> Target:
