@@ -463,11 +463,10 @@ class FilterOps:
     def undo_change(self, change: Change, *, source: int) -> Op[bool]:
         """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
         src, item = checked([change], source)  # guard/lua/undo.lua
+        head = [src, change.id]
         send = _Sender(self, "undo", source)
         while True:
-            reply = yield from send.call(
-                lambda layout: [src, change.id, *change_args(item, layout.seed)]
-            )
+            reply = yield from send.call(lambda layout: [*head, *change_args(item, layout.seed)])
             if reply[0] == scripts.FULL:
                 raise FilterFullError(
                     f"filter {self.name!r} is full: change {change.id} not undone"
