@@ -92,8 +92,7 @@ class Facade(Generic[InfoT]):
         total; each shard gets its share plus headroom. ``applied`` and ``source``: where a
         filter made from a database snapshot stands in its change log (guard/changes.py;
         not for a sharded filter)."""
-        made = FilterParams.of(capacity, **params)
-        return (yield from self._reserve_op(made, applied, source))
+        return (yield from self._reserve_op(FilterParams.of(capacity, **params), applied, source))
 
     @operation
     def bulk_load(
