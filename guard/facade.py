@@ -18,7 +18,7 @@ from guard.bulk import Items, Target, load_op
 from guard.coalesce import LookupCoalescer
 from guard.driver import AsyncRunner, SyncRunner
 from guard.hashing import to_bytes
-from guard.ops import OneCommand, Op, lockstep
+from guard.ops import OneCommand, Op, lockstep, raise_first
 from guard.params import FilterParams
 
 P = ParamSpec("P")
@@ -33,9 +33,6 @@ class operation(Generic[P, T]):
         self.make = make
         self.name = make.__name__
         self.__doc__ = make.__doc__
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> operation[P, T]: ...
@@ -70,7 +67,6 @@ class Facade(Generic[InfoT]):
 
     if TYPE_CHECKING:  # what a handle provides (guard/filter.py, guard/sharded.py)
 
-        def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]: ...
         def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[InfoT]: ...
         def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op[list[bool]]: ...
         def _lookup_op(self, data: list[bytes]) -> Op[list[bool]]: ...
@@ -96,8 +92,7 @@ class Facade(Generic[InfoT]):
         total; each shard gets its share plus headroom. ``applied`` and ``source``: where a
         filter made from a database snapshot stands in its change log (guard/changes.py;
         not for a sharded filter)."""
-        made = FilterParams.of(capacity, **params)
-        return (yield from self._reserve_op(made, applied, source))
+        return (yield from self._reserve_op(FilterParams.of(capacity, **params), applied, source))
 
     @operation
     def bulk_load(
@@ -227,12 +222,6 @@ class AsyncHandle(AsyncRunner, Facade[InfoT]):
             return [await self._run(self._lookup_one_op(data[0]))]
         return await self._run(self._lookup_op(data))
 
-    async def _lookup(self, items: Iterable[str | bytes]) -> list[bool]:
-        data = [to_bytes(x) for x in items]  # a bad item fails its own caller, not the batch
-        if self._coalescer is None:
-            return await self._lookup_now(data)
-        return await self._coalescer.lookup_many(data)
-
     # Lookups, unlike the other methods, go through the coalescer.
     async def lookup(self, item: str | bytes) -> bool:  # type: ignore[override]
         """Whether ``item`` is probably present (False is certain)."""
@@ -242,7 +231,10 @@ class AsyncHandle(AsyncRunner, Facade[InfoT]):
 
     async def lookup_many(self, items: Iterable[str | bytes]) -> list[bool]:  # type: ignore[override]
         """``lookup`` of each item."""
-        return await self._lookup(items)
+        data = [to_bytes(x) for x in items]  # a bad item fails its own caller, not the batch
+        if self._coalescer is None:
+            return await self._lookup_now(data)
+        return await self._coalescer.lookup_many(data)
 
     def pipeline(self) -> AsyncPipeline[InfoT]:
         """Operations queued now and sent together by ``await execute()``."""
@@ -251,7 +243,7 @@ class AsyncHandle(AsyncRunner, Facade[InfoT]):
 
 class _Queue(Facade[InfoT]):
     """A pipeline: the handle's methods queue their operations, ``execute()`` runs them side
-    by side (guard/driver.py: ``lockstep``), so N operations cost the round trips of the
+    by side (guard/ops.py: ``lockstep``), so N operations cost the round trips of the
     longest one rather than N times that: single-item calls of a loop become one pipeline
     per step. Results come back in the order the methods were called.
 
@@ -285,9 +277,7 @@ class _Queue(Facade[InfoT]):
         results = yield from lockstep(dict(enumerate(ops)))
         out = [results[k] for k in range(len(ops))]
         if raise_on_error:
-            for result in out:
-                if isinstance(result, Exception):
-                    raise result
+            raise_first(out)
         return out
 
 

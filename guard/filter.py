@@ -12,7 +12,7 @@ call checks again and raises FilterCorruptError again.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Self
 
@@ -20,8 +20,9 @@ from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from guard import hashing, scripts
 from guard.bulk import Target
-from guard.changes import ApplyResult, Change, applied_op, apply_op, undo_op
+from guard.changes import ApplyResult, Change, change_args, checked
 from guard.errors import (
+    ChangeSourceError,
     FilterCorruptError,
     FilterFullError,
     FilterNotFoundError,
@@ -30,14 +31,15 @@ from guard.errors import (
 from guard.facade import AsyncHandle, SyncHandle, operation
 from guard.hashing import to_bytes
 from guard.layout import (
+    APPLIED_AT,
+    MAX_CHANGE_ID,
     MAX_SUBFILTERS,
+    TAG_BYTES,
     UNKNOWN_LAYOUT,
-    Header,
     Layout,
     Stored,
     pack_header,
     probe_reads,
-    string_bytes,
     unpack_header,
     verify_stored,
 )
@@ -97,7 +99,6 @@ class FilterOps:
         self.redis = redis
         self.name = check_name(name)
         self.prefix = prefix
-        self._variant = _variant
         self._shard = _shard
         self._base = base_key(prefix, name, _shard, _variant)
         self._layout = UNKNOWN_LAYOUT
@@ -120,21 +121,43 @@ class FilterOps:
         self._layout = UNKNOWN_LAYOUT
         return True
 
-    def _probe_op(self) -> Op:
-        """Read the stored filter with read-only commands, verify it, adopt its layout.
+    def _refused_ro(self, exc: BaseException, used: str) -> bool:
+        """Whether ``exc`` is fakeredis refusing BITFIELD_RO, which it lacks: reads then use
+        BITFIELD, which with only GETs reads the same."""
+        if used == "BITFIELD_RO" and "bitfield_ro" in str(exc).lower():
+            self._read_command = "BITFIELD"
+            return True
+        return False
 
-        One MULTI reads each sub-filter's header, length and tag (as many sub-filters as the
-        handle last knew of; a second MULTI when sub-filter 0 counts more). Returns what was
-        read, one Stored per sub-filter.
-        """
+    def _reads_op(self, reads: list[list[Any]], atomic: bool = False) -> Op[list[Any]]:
+        """BITFIELD_RO commands (``reads``: their arguments), as BITFIELD once fakeredis has
+        refused BITFIELD_RO."""
+        while True:
+            used = self._read_command
+            try:
+                return (yield Round([Command(used, args) for args in reads], atomic))
+            except ResponseError as exc:
+                if not self._refused_ro(exc, used):
+                    raise
+
+    def _kept_changing(self, during: str) -> GuardError:
+        return GuardError(f"{self.name}: layout kept changing {during}", filter=self.name)
+
+    def _probe_round(self, count: int) -> Round:
+        """One MULTI of read-only commands: whether sub-filters 0 and 1 exist, then each of
+        the first ``count`` sub-filters' header, length and tag (guard/layout.py)."""
+        calls: list[Call | Command] = [Command("EXISTS", [self.key(n)]) for n in (0, 1)]
+        for n in range(count):
+            calls += [Command(*read) for read in probe_reads(self.key(n))]
+        return Round(calls, atomic=True)
+
+    def _probe_op(self) -> Op[list[Stored]]:
+        """Read the stored filter, verify it, adopt its layout: one Stored per sub-filter, as
+        many as the handle last knew of (read again when sub-filter 0 counts more)."""
         count = max(1, self._layout.subfilters)
         self._layout = UNKNOWN_LAYOUT  # nothing unverified is kept, even on failure
         for _ in range(MAX_RETRIES):
-            calls: list[Call | Command] = [Command("EXISTS", [self.key(0)])]
-            calls.append(Command("EXISTS", [self.key(1)]))
-            for n in range(count):
-                calls += [Command(*read) for read in probe_reads(self.key(n))]
-            replies = yield Round(calls, atomic=True)
+            replies = yield self._probe_round(count)
             if not replies[0]:
                 if replies[1]:  # what is left of a filter is no filter, but never "absent"
                     raise FilterCorruptError(self.name, f"{self.key(0)} is missing")
@@ -145,7 +168,13 @@ class FilterOps:
                 self._layout = layout
                 return stored[: layout.subfilters]
             count = layout.subfilters
-        raise GuardError(f"{self.name}: layout kept changing while reading it", filter=self.name)
+        raise self._kept_changing("while reading it")
+
+    def _known_layout(self) -> Op[Layout]:
+        """The handle's layout; the probe's first if it has none."""
+        if not self._layout.buckets0:
+            yield from self._probe_op()
+        return self._layout
 
     def staging(self) -> Self:
         """A handle on this filter's staging copy (same hash tag), for rebuilds: fill it,
@@ -170,8 +199,8 @@ class FilterOps:
         return Target([self])
 
     def _create_op(self, layout: Layout, header: bytes) -> Op[FilterInfo]:
-        total = string_bytes(layout.buckets0, layout.bucket_size, layout.fp_bits)
-        yield Round([Call("reserve", [self.key(0)], [header, total, layout.tag(0)])])
+        args = [header, layout.string_bytes(0), layout.tag(0)]
+        yield Round([Call("reserve", [self.key(0)], args)])
         self._layout = layout
         return (yield from self._info_op())
 
@@ -180,27 +209,21 @@ class FilterOps:
         return bool(found)
 
     @forgets_on_damage
-    def _batch_op(self, script: str, items: Iterable[str | bytes], chunk: int = BATCH_CHUNK) -> Op:
+    def _batch_op(self, script: str, items: Iterable[str | bytes]) -> Op[list[Any]]:
         """count / delete: chunks are independent, so they go in one pipeline."""
         data = [to_bytes(x) for x in items]
         results: list[Any] = [None] * len(data)
-        pending = [(a, min(a + chunk, len(data))) for a in range(0, len(data), chunk)]
+        pending = [(a, min(a + BATCH_CHUNK, len(data))) for a in range(0, len(data), BATCH_CHUNK)]
         for _ in range(MAX_RETRIES):
             if not pending:
                 return results
-            if not self._layout.buckets0:
-                yield from self._probe_op()
-            layout = self._layout
+            layout = yield from self._known_layout()
             flat = hashing.flat(hashing.hash_batch(data, layout.seed))
             keys = self._keys(layout.subfilters)
             read_only = script == "count" and self._read_scripts
+            parts = [layout.args() + flat[2 * a : 2 * b] for a, b in pending]
             try:
-                replies = yield Round(
-                    [
-                        Call(script, keys, layout.args() + flat[2 * a : 2 * b], read_only)
-                        for a, b in pending
-                    ]
-                )
+                replies = yield Round([Call(script, keys, args, read_only) for args in parts])
             except ResponseError as exc:
                 # Redis 6.2 and fakeredis have no EVALSHA_RO; EVALSHA of a script that only
                 # reads runs on a replica all the same.
@@ -215,7 +238,7 @@ class FilterOps:
                 else:
                     results[a:b] = reply[2:]
             pending = retry
-        raise GuardError(f"{self.name}: layout kept changing during {script}", filter=self.name)
+        raise self._kept_changing(f"during {script}")
 
     def _lookup_one_op(self, item: str | bytes) -> Op[bool]:
         """``lookup`` of one item, a web request's: when the handle knows a layout of one
@@ -245,60 +268,42 @@ class FilterOps:
         return _QueuedLookup(self, item)
 
     def _lookup_failed(self, exc: BaseException, used: str, item: bytes) -> Op[bool]:
-        """What a single lookup whose command (``used``) failed goes on with: the general
-        lookup when fakeredis, which has no BITFIELD_RO, refused it (BITFIELD with only
-        GETs reads the same); else nothing, ``exc`` is raised (damage first leaves the
-        handle with no layout: forgets_on_damage's rule, without its extra generator)."""
-        if (
-            isinstance(exc, ResponseError)
-            and used == "BITFIELD_RO"
-            and "bitfield_ro" in str(exc).lower()
-        ):
-            self._read_command = "BITFIELD"
+        """A single lookup whose command (``used``) failed: it goes on as the general lookup
+        when fakeredis refused BITFIELD_RO, else ``exc`` is raised (damage first forgets the
+        layout, as forgets_on_damage would, without its extra generator)."""
+        if isinstance(exc, ResponseError) and self._refused_ro(exc, used):
             return self._lookup_rest(item)
         if isinstance(exc, FilterCorruptError):
             self._layout = UNKNOWN_LAYOUT
         raise exc
 
     def _lookup_rest(self, item: bytes, stale: bool = False) -> Op[bool]:
-        """The general lookup of one item, where a single one hands over to it."""
-        return (yield from self._lookup_op([item], stale=stale))[0]
+        """The general lookup of one item, where a single one hands over to it. ``stale``: a
+        read just found a tag other than the layout predicts, so the filter is probed first."""
+        if stale:
+            self._layout = UNKNOWN_LAYOUT
+        return (yield from self._lookup_op([item]))[0]
 
     @forgets_on_damage
-    def _lookup_op(self, data: list[bytes], stale: bool = False) -> Op:
-        """Script-free: one read command per sub-filter and chunk (guard/reads.py).
-
-        ``data`` is already bytes: the public methods (and a sharded filter's routing) convert
-        each item once, before any batching. ``stale``: a read just found a tag other than
-        the handle's layout predicts, so the stored filter is probed first."""
+    def _lookup_op(self, data: list[bytes]) -> Op[list[bool]]:
+        """Script-free: one read command per sub-filter and chunk (guard/reads.py). ``data`` is
+        already bytes: the public methods (and a sharded routing) convert each item once."""
         if not data:
             return []
         hashes: hashing.Hashes = []
         seed = None
-        checked = None  # the layout the info script last vouched for
-        if stale:
-            yield from self._probe_op()
-            checked = self._layout
+        checked = None  # the layout the probe last vouched for
         for _ in range(MAX_RETRIES):
-            layout = self._layout
-            if not layout.buckets0:
+            if not self._layout.buckets0:
                 yield from self._probe_op()  # learns the layout, or raises
                 checked = self._layout
-                continue
+            layout = self._layout
             if seed != layout.seed:
                 seed = layout.seed
                 hashes = hashing.hash_batch(data, seed)
             plan = ReadPlan(layout, hashes, self.key)
-            used = self._read_command
-            commands: list[Call | Command] = [Command(used, c.args) for c in plan.commands]
-            try:
-                replies = yield Round(commands, atomic=layout.subfilters > 1)
-            except ResponseError as exc:
-                # fakeredis has no BITFIELD_RO; BITFIELD with only GETs reads the same.
-                if used == "BITFIELD_RO" and "bitfield_ro" in str(exc).lower():
-                    self._read_command = "BITFIELD"
-                    continue
-                raise
+            reads = [c.args for c in plan.commands]
+            replies = yield from self._reads_op(reads, atomic=layout.subfilters > 1)
             try:
                 return plan.evaluate(replies)
             except TagMismatch as bad:
@@ -309,50 +314,23 @@ class FilterOps:
             # (adopting the stored layout, or raising not found / corrupt).
             yield from self._probe_op()
             checked = self._layout
-        raise GuardError(f"{self.name}: layout kept changing during lookup", filter=self.name)
+        raise self._kept_changing("during lookup")
 
     @forgets_on_damage
-    def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op:
+    def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op[list[bool]]:
         """Chunks run one after another: a full fixed-size filter stops at the first failure."""
         data = [to_bytes(x) for x in items]
         results: list[bool] = []
-        stale = spare_less = 0
-        spares = 2
-        while len(results) < len(data):
-            if not self._layout.buckets0:
-                yield from self._probe_op()
-            layout = self._layout
+
+        def tail(layout: Layout) -> list[Any]:
             # The script bounds its own work (guard/ops.py: KICK_BUDGET) and answers for the
             # items it took; the rest go in the next call.
             part = data[len(results) : len(results) + insert_chunk(layout.max_kicks)]
-            # Two spare keys: growth may add sub-filters within one call (a filter that never
-            # grows needs none; each key is a cost on every call).
-            keys = self._keys(layout.subfilters + (spares if layout.expansion else 0))
-            args = [
-                *layout.args(),
-                int(unique),
-                *hashing.flat(hashing.hash_batch(part, layout.seed)),
-            ]
-            try:
-                (reply,) = yield Round([Call("insert", keys, args)])
-            except (ClusterError, TryAgainError):
-                # Redis Cluster, slot being migrated: a script some of whose keys are missing
-                # (the spares) gets TRYAGAIN until the migration ends. Without spares it runs;
-                # only growth (NEEDKEYS) has to wait for the end of the migration.
-                spare_less += 1
-                if not spares or spare_less > MAX_RETRIES:
-                    raise
-                spares = 0
-                continue
-            if reply[0] == scripts.NEEDKEYS:
-                spares = 2
-            if self._adopt(reply):
-                stale += 1
-                if stale > MAX_RETRIES:
-                    raise GuardError(
-                        f"{self.name}: layout kept changing during insert", filter=self.name
-                    )
-                continue
+            return [int(unique), *hashing.flat(hashing.hash_batch(part, layout.seed))]
+
+        send = _Sender(self, "insert")
+        while len(results) < len(data):
+            reply = yield from send.call(tail)
             if reply[0] == scripts.OK and len(reply) == 2:
                 # A call always takes its first item: this is not our script (never loop).
                 raise GuardError(f"{self.name}: insert made no progress", filter=self.name)
@@ -365,30 +343,27 @@ class FilterOps:
                 )
         return results
 
-    def _info_op(self) -> Op:
+    def _info_op(self) -> Op[FilterInfo]:
         """Script-free (it runs on a read-only replica): the probe reads every header."""
         stored = yield from self._probe_op()
-        return self._make_info(self._layout, [unpack_header(s.header) for s in stored])
-
-    def _make_info(self, layout: Layout, headers: list[Header]) -> FilterInfo:
+        layout = self._layout
+        headers = [unpack_header(s.header) for s in stored]
         first = headers[0]
-        capacity, deletes, missed = first.capacity, first.deletes, first.missed_deletes
-        per_sub = [h.items for h in headers]
         b = layout.bucket_size
         buckets = memory = 0
         miss_all = 1.0
-        for n, count in enumerate(per_sub):
+        for n, header in enumerate(headers):
             m, f = layout.buckets(n), layout.fp_bits_at(n)
             buckets += m
             memory += layout.string_bytes(n)
             # An absent item is compared with 2b slots, each holding a print with probability
             # `load`, matching with probability 1 / (2^f - 1) (prints are never 0).
-            load = count / (m * b)
+            load = header.items / (m * b)
             miss_all *= (1 - load / (2**f - 1)) ** (2 * b)
-        items = sum(per_sub)
+        items = sum(h.items for h in headers)
         return FilterInfo(
             name=self.name,
-            capacity=capacity,
+            capacity=first.capacity,
             items=items,
             buckets=buckets,
             bucket_size=b,
@@ -400,37 +375,147 @@ class FilterOps:
             memory_bytes=memory,
             error_rate=1 - miss_all,
             target_error_rate=first.error_rate,
-            deletes=deletes,
-            missed_deletes=missed,
+            deletes=first.deletes,
+            missed_deletes=first.missed_deletes,
             applied_change=first.applied,
             change_source=first.source,
         )
 
-    def _drop_op(self) -> Op:
+    def _drop_op(self) -> Op[bool]:
         (existed,) = yield Round([Call("drop", self._keys(MAX_SUBFILTERS), [])])
         self._layout = UNKNOWN_LAYOUT
         return bool(existed)
 
-    def _promote_op(self, only_if_new: bool = False) -> Op[bool]:
-        live = FilterOps(self.redis, self.name, self.prefix, _shard=self._shard)
-        return (yield from self._replace_op(live, only_if_new))
-
     @forgets_on_damage
-    def _replace_op(self, live: FilterOps, only_if_new: bool = False) -> Op[bool]:
-        """Promote this staging copy onto ``live``; when ``only_if_new``, only if no live
-        filter exists (FilterExistsError), checked in the promoting script itself."""
+    def _promote_op(self, only_if_new: bool = False, live: FilterOps | None = None) -> Op[bool]:
+        """Promote this staging copy onto ``live`` (by default the filter's live copy); when
+        ``only_if_new``, only if no live filter exists (FilterExistsError), checked in the
+        promoting script itself."""
+        if live is None:
+            live = FilterOps(self.redis, self.name, self.prefix, _shard=self._shard)
         keys = live._keys(MAX_SUBFILTERS) + self._keys(MAX_SUBFILTERS)
         for _ in range(MAX_RETRIES):
-            if not self._layout.buckets0:
-                yield from self._probe_op()
-            args = [*self._layout.args(), int(only_if_new)]
-            (reply,) = yield Round([Call("promote", keys, args)])
-            if reply != [scripts.STALE]:
-                live._layout = self._layout
-                self._layout = UNKNOWN_LAYOUT
-                return True
+            layout = yield from self._known_layout()
+            (reply,) = yield Round([Call("promote", keys, [*layout.args(), int(only_if_new)])])
             self._layout = UNKNOWN_LAYOUT
-        raise GuardError(f"{self.name}: layout kept changing during promote", filter=self.name)
+            if reply != [scripts.STALE]:
+                live._layout = layout
+                return True
+        raise self._kept_changing("during promote")
+
+    # -- the change feed (guard/changes.py): a single filter's handles have it, not a sharded one
+
+    @operation
+    @forgets_on_damage
+    def apply_changes(self, changes: Sequence[Change], *, source: int) -> Op[ApplyResult]:
+        """Apply database changes in order, each exactly once: see guard/changes.py."""
+        # Long batches go in chunks, one call of guard/lua/apply.lua each; a call stopped by
+        # growth that needs keys is sent again from where it stopped. Whatever an earlier
+        # call applied (a replay, a chunk sent twice) the script skips by itself.
+        src, batch = checked(changes, source)
+        results: list[bool] = []
+        skipped = 0
+
+        def tail(layout: Layout) -> list[Any]:
+            part = batch[len(results) : len(results) + insert_chunk(layout.max_kicks)]
+            return [src, part[0][0] if part else 1, *change_args(part, layout.seed)]
+
+        send = _Sender(self, "apply", source)
+        while True:
+            reply = yield from send.call(tail)
+            if reply[0] == scripts.OK and len(reply) == 4 and len(results) < len(batch):
+                # A call always takes its first change: this is not our script (never loop).
+                raise GuardError(f"{self.name}: apply made no progress", filter=self.name)
+            applied = int(reply[2])
+            skipped += int(reply[3])
+            results.extend(bool(r) for r in reply[4:])
+            if reply[0] == scripts.GAP:
+                return ApplyResult(applied, len(results), True, results, skipped)
+            if reply[0] == scripts.FULL:
+                raise FilterFullError(
+                    f"filter {self.name!r} is full: changes applied up to id {applied}, "
+                    f"{len(results)} of {len(batch)} handled",
+                    results + [False] * (len(batch) - len(results)),
+                )
+            if len(results) >= len(batch):
+                return ApplyResult(applied, len(results), False, results, skipped)
+
+    @operation
+    @forgets_on_damage
+    def applied_change(self) -> Op[int]:
+        """The id of the last database change applied to the filter (0: none)."""
+        # Read-only (it runs on a replica): with a layout cached, one read of sub-filter 0's
+        # tag beside the id (the tag proves the string is the layout's, as for a lookup);
+        # else, or when the tag disagrees, the id from the header the probe verified.
+        layout = self._layout
+        if layout.buckets0:
+            tag_at = (layout.string_bytes(0) - TAG_BYTES) * 8
+            read = [self.key(0), "GET", "i64", tag_at, "GET", "i64", APPLIED_AT * 8]
+            ((tag, applied),) = yield from self._reads_op([read])
+            expected = int.from_bytes(layout.tag(0), "big", signed=True)
+            if tag == expected and 0 <= applied <= MAX_CHANGE_ID:
+                return int(applied)
+        stored = yield from self._probe_op()
+        return unpack_header(stored[0].header).applied
+
+    @operation
+    @forgets_on_damage
+    def undo_change(self, change: Change, *, source: int) -> Op[bool]:
+        """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
+        src, item = checked([change], source)  # guard/lua/undo.lua
+        head = [src, change.id]
+        send = _Sender(self, "undo", source)
+        while True:
+            reply = yield from send.call(lambda layout: [*head, *change_args(item, layout.seed)])
+            if reply[0] == scripts.FULL:
+                raise FilterFullError(
+                    f"filter {self.name!r} is full: change {change.id} not undone"
+                )
+            if reply[0] == scripts.OK:
+                return bool(reply[2])
+            # NEEDKEYS: growth needs a key the call did not carry; the sender adds them again.
+
+
+class _Sender:
+    """Sends the calls of one operation whose scripts may grow the filter (insert, apply,
+    undo): with the spare keys growth needs (without them during a slot migration), again
+    after a stale layout; the retry counts hold for the whole operation."""
+
+    def __init__(self, f: FilterOps, script: str, source: int = 0) -> None:
+        self.f, self.script, self.source = f, script, source
+        self.stale = self.spare_less = 0
+        self.spares = 2
+
+    def call(self, tail: Callable[[Layout], list[Any]]) -> Op[list[Any]]:
+        """One call; ``tail(layout)`` gives the arguments after the layout's. Returns the
+        reply (any status but STALE and SOURCE)."""
+        f = self.f
+        while True:
+            layout = yield from f._known_layout()
+            # Two spare keys: growth may add sub-filters within one call (a filter that never
+            # grows needs none; each key is a cost on every call).
+            keys = f._keys(layout.subfilters + (self.spares if layout.expansion else 0))
+            try:
+                (reply,) = yield Round([Call(self.script, keys, [*layout.args(), *tail(layout)])])
+            except (ClusterError, TryAgainError):
+                # Redis Cluster, slot being migrated: a script some of whose keys are missing
+                # (the spares) gets TRYAGAIN until the migration ends. Without spares it runs;
+                # only growth (NEEDKEYS) has to wait for the end of the migration.
+                self.spare_less += 1
+                if not self.spares or self.spare_less > MAX_RETRIES:
+                    raise
+                self.spares = 0
+                continue
+            if reply[0] == scripts.SOURCE:
+                raise ChangeSourceError(f.name, int.from_bytes(reply[2], "big"), self.source)
+            if reply[0] == scripts.NEEDKEYS:
+                self.spares = 2
+            if f._adopt(reply):
+                self.stale += 1
+                if self.stale > MAX_RETRIES:
+                    raise f._kept_changing(f"during {self.script}")
+                continue
+            return reply
 
 
 class _QueuedLookup(OneCommand):
@@ -468,33 +553,10 @@ class _QueuedLookup(OneCommand):
         return self._filter._lookup_rest(self._data, stale=True)
 
 
-class _ChangeFeed(FilterOps):
-    """The change feed's methods (guard/changes.py): a single filter's handles have them, a
-    sharded filter does not."""
-
-    @operation
-    def apply_changes(self, changes: Sequence[Change], *, source: int) -> Op[ApplyResult]:
-        """Apply database changes in order, each exactly once: see guard/changes.py."""
-        return apply_op(self, changes, source)
-
-    @operation
-    def applied_change(self) -> Op[int]:
-        """The id of the last database change applied to the filter (0: none)."""
-        return applied_op(self)
-
-    @operation
-    def undo_change(self, change: Change, *, source: int) -> Op[bool]:
-        """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
-        return undo_op(self, change, source)
-
-
-class CuckooFilter(AsyncHandle[FilterInfo], _ChangeFeed):
+class CuckooFilter(FilterOps, AsyncHandle[FilterInfo]):
     """A handle on one filter over ``redis.asyncio.Redis`` (or its ``RedisCluster``);
-    creating it does no I/O. Its methods are guard/facade.py's.
-
-    With ``coalesce`` (the default), concurrent lookups on this handle are sent together:
-    see guard/coalesce.py.
-    """
+    creating it does no I/O. Its methods are guard/facade.py's; with ``coalesce`` (the
+    default), concurrent lookups on it are sent together (guard/coalesce.py)."""
 
     def __init__(
         self,
@@ -510,7 +572,7 @@ class CuckooFilter(AsyncHandle[FilterInfo], _ChangeFeed):
         self._start(coalesce)
 
 
-class SyncCuckooFilter(SyncHandle[FilterInfo], _ChangeFeed):
+class SyncCuckooFilter(FilterOps, SyncHandle[FilterInfo]):
     """The same filter over a blocking ``redis.Redis`` (or ``RedisCluster``), for scripts
     and CLIs."""
 

@@ -9,9 +9,9 @@ The limits here bound what one call may cost the server.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Generator, Hashable, Mapping
+from collections.abc import Callable, Generator, Hashable, Iterable, Mapping
 from types import GeneratorType
-from typing import Any, NamedTuple, TypeAlias, TypeVar
+from typing import Any, NamedTuple, TypeAlias, TypeVar, cast
 
 from guard import layout
 from guard.errors import FilterCorruptError
@@ -101,18 +101,17 @@ class Reads(NamedTuple):
 # its round raised (a batch never throws: each round's failure is its own).
 Batch: TypeAlias = dict[Any, Round | Reads]
 Op: TypeAlias = Generator[Round | Batch | Work, Any, T]
+MakeOp = TypeVar("MakeOp", bound=Callable[..., Op[Any]])
 
 
 class OneCommand:
     """An operation that, when all goes as expected, is one plain command and a look at its
-    reply (a single lookup queued in a pipeline, guard/filter.py): ``lockstep`` runs it with
-    no generator, Round or Command. A pipeline of them makes one per item, and each object
-    kept alive until the replies come is one more the garbage collector walks: enough of
-    them make every pipeline of 100 trigger a collection.
+    reply (a single lookup queued in a pipeline, guard/filter.py), which ``lockstep`` runs
+    with no generator, Round or Command: those, one each per item and alive until the
+    replies come, made the garbage collector run in every pipeline of 100.
 
-    ``start`` and ``finish`` may each hand the work over to an operation (a generator, not
-    started) that goes on from there, as the generator this stands for would have.
-    """
+    ``start`` and ``finish`` may each hand over to an operation (a generator, not started)
+    that goes on as the generator this stands for would have."""
 
     __slots__ = ()
 
@@ -262,16 +261,23 @@ def _finish(
     return answers
 
 
-def forgets_on_damage(make_op: Callable[..., Op[T]]) -> Callable[..., Op[T]]:
+def raise_first(results: Iterable[Any]) -> None:
+    """Raise the first exception among results of operations run side by side, if any."""
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
+def forgets_on_damage(make_op: MakeOp) -> MakeOp:
     """An operation that meets damage leaves its handle with no layout: the bytes no longer
     back the one it had, and the next call must verify the filter again, not trust it."""
 
     @functools.wraps(make_op)
-    def op(self: Any, *args: Any, **kwargs: Any) -> Op[T]:
+    def op(self: Any, *args: Any, **kwargs: Any) -> Op[Any]:
         try:
             return (yield from make_op(self, *args, **kwargs))
         except FilterCorruptError:
             self._layout = layout.UNKNOWN_LAYOUT
             raise
 
-    return op
+    return cast(MakeOp, op)

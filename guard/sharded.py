@@ -6,7 +6,7 @@ still touches the keys of one slot only. An item's shard is bits 96..127 of its 
 (guard/hashing.py: ``shard_of``), which the bucket and fingerprint bits never use.
 
 Nothing here re-implements the filter: each operation runs the single filter's generators,
-one per shard, in lock step (guard/driver.py: ``lockstep``), and the handles are the single
+one per shard, in lock step (guard/ops.py: ``lockstep``), and the handles are the single
 filter's too (guard/facade.py): every round of every shard goes out at once, the plain ones in
 one pipeline, which a ``RedisCluster`` writes to every node before reading any reply.
 """
@@ -31,9 +31,9 @@ from guard.errors import (
 from guard.facade import AsyncHandle, SyncHandle
 from guard.filter import FilterInfo, FilterOps
 from guard.hashing import shard_of, to_bytes
-from guard.layout import MAX_SHARDS, Stored, pack_header, probe_reads, unpack_header, verify_stored
+from guard.layout import MAX_SHARDS, Stored, pack_header, unpack_header, verify_stored
 from guard.names import DEFAULT_PREFIX, STAGING
-from guard.ops import MAX_RETRIES, Command, OneCommand, Op, Round, lockstep
+from guard.ops import MAX_RETRIES, Op, lockstep, raise_first
 from guard.params import FilterParams, Limit
 
 
@@ -60,6 +60,7 @@ def shard_capacity(capacity: int, shards: int) -> int:
 
 
 SHARDS = Limit(1, MAX_SHARDS)
+_SUMMED = ("capacity", "items", "buckets", "memory_bytes", "deletes", "missed_deletes")
 
 
 class ShardedOps:
@@ -105,9 +106,18 @@ class ShardedOps:
         stage._live = self
         return stage
 
-    def _fan(self, ops: dict[int, Op[Any]]) -> Op[dict[int, Any]]:
-        """Run one single-filter operation per shard; returns {shard: result or exception}."""
-        return lockstep(ops, self._rerouted)
+    def _fan(self, ops: Iterable[Op[Any]]) -> Op[list[Any]]:
+        """Run one single-filter operation per shard, in shard order, for an operation that
+        fails as a whole: their results, or the first one's exception."""
+        results = yield from lockstep(dict(enumerate(ops)), self._rerouted)
+        out = [results[i] for i in range(len(results))]
+        if any(isinstance(r, _Rerouted) for r in out):
+            self._seed = None
+            raise GuardError(
+                f"{self.name}: the filter was recreated during the call", filter=self.name
+            )
+        raise_first(out)
+        return out
 
     def _rerouted(self, shard: int) -> BaseException | None:
         # A STALE reply wrote nothing; if it carried another seed, the filter was recreated
@@ -119,31 +129,19 @@ class ShardedOps:
 
     # -- operations ----------------------------------------------------------------------
 
-    def _open_op(self) -> Op[None]:
-        """Read every shard's sub-filter 0: all present, verified (guard/layout.py), same
-        seed, and made with this shard count. Read-only commands: fine on a replica."""
-        answers = yield {
-            i: Round(
-                [
-                    Command("EXISTS", [h.key(0)]),
-                    *(Command(*read) for read in probe_reads(h.key(0))),
-                    Command("EXISTS", [h.key(1)]),
-                ],
-                atomic=True,
-            )
-            for i, h in enumerate(self._handles)
-        }
-        for answer in answers.values():
-            if isinstance(answer, BaseException):
-                raise answer
+    def _open_op(self) -> Op[int]:
+        """Read every shard's sub-filter 0 as the probe does (guard/filter.py): all present,
+        verified, same seed, and made with this shard count. Read-only: fine on a replica."""
+        answers = yield {i: h._probe_round(1) for i, h in enumerate(self._handles)}
+        raise_first(answers.values())
         present = [i for i in range(self.shards) if answers[i][0]]
         if not present:
-            if any(answers[i][4] for i in range(self.shards)):  # sub-filters left: damage
+            if any(answers[i][1] for i in range(self.shards)):  # sub-filters left: damage
                 raise FilterCorruptError(self.name, "every shard's sub-filter 0 is missing")
             raise FilterNotFoundError(f"{self.name}: no such filter", filter=self.name)
         seeds, recorded = set(), set()
         for i in present:
-            stored = Stored(self.key(i), *answers[i][1:4])
+            stored = Stored(self.key(i), *answers[i][2:5])
             seeds.add(verify_stored(self.name, [stored]).seed)
             recorded.add(unpack_header(stored.header).shards)
         if len(recorded) > 1:
@@ -163,7 +161,8 @@ class ShardedOps:
             raise FilterCorruptError(self.name, f"shard(s) {missing} missing")
         if len(seeds) != 1:
             raise FilterCorruptError(self.name, "the shards have different seeds")
-        self._seed = seeds.pop()
+        self._seed = seed = seeds.pop()
+        return seed
 
     def _items_op(
         self,
@@ -174,41 +173,38 @@ class ShardedOps:
         data = [to_bytes(x) for x in items]
         out: list[Any] = [None] * len(data)
         todo = list(range(len(data)))
-        full: list[FilterFullError] = []
+        full = 0  # shards found full
         for _ in range(MAX_RETRIES):
             if not todo:
                 break
-            if self._seed is None:
-                yield from self._open_op()
             seed = self._seed
-            assert seed is not None
+            if seed is None:
+                seed = yield from self._open_op()
             groups: dict[int, list[int]] = {}
             for k in todo:
                 groups.setdefault(shard_of(data[k], seed, self.shards), []).append(k)
-            results = yield from self._fan(
-                {i: make(self._handles[i], [data[k] for k in idx]) for i, idx in groups.items()}
+            results = yield from lockstep(
+                {i: make(self._handles[i], [data[k] for k in idx]) for i, idx in groups.items()},
+                self._rerouted,
             )
-            todo, errors = [], []
+            if any(isinstance(r, FilterNotFoundError) for r in results.values()):
+                # One shard gone is a damaged filter, all gone a dropped one: the open check
+                # tells which (and raises it).
+                self._seed = None
+                yield from self._open_op()
+            in_order = (results[i] for i in groups)
+            raise_first(r for r in in_order if not isinstance(r, _Rerouted | FilterFullError))
+            todo = []
             for i, idx in groups.items():
                 result = results[i]
                 if isinstance(result, _Rerouted):
                     todo.extend(idx)
                     continue
                 if isinstance(result, FilterFullError):
-                    full.append(result)
+                    full += 1
                     result = result.results
-                elif isinstance(result, BaseException):
-                    if isinstance(result, FilterNotFoundError):
-                        # One shard gone is a damaged filter, all gone a dropped one: the
-                        # open check tells which (and raises it).
-                        self._seed = None
-                        yield from self._open_op()
-                    errors.append(result)
-                    continue
                 for k, r in zip(idx, result, strict=True):
                     out[k] = r
-            if errors:
-                raise errors[0]
             if todo:
                 self._seed = None  # re-read the headers, then route the moved items again
                 todo.sort()
@@ -219,16 +215,14 @@ class ShardedOps:
         if full:
             added = sum(bool(r) for r in out)
             raise FilterFullError(
-                f"filter {self.name!r}: {len(full)} shard(s) full ({added} of {len(data)} "
-                "items added)",
+                f"filter {self.name!r}: {full} shard(s) full ({added} of {len(data)} items added)",
                 [bool(r) for r in out],
                 filter=self.name,
             )
         return out
 
     def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op[list[bool]]:
-        results = yield from self._items_op(items, lambda h, d: h._insert_op(d, unique))
-        return [bool(r) for r in results]
+        return self._items_op(items, lambda h, d: h._insert_op(d, unique))
 
     def _lookup_op(self, data: list[bytes]) -> Op[list[bool]]:
         return self._items_op(data, lambda h, d: h._lookup_op(d))
@@ -236,8 +230,7 @@ class ShardedOps:
     def _lookup_one_op(self, item: str | bytes) -> Op[bool]:
         return (yield from self._lookup_op([to_bytes(item)]))[0]
 
-    def _queued_lookup(self, item: str | bytes) -> Op[bool] | OneCommand:
-        return self._lookup_one_op(item)
+    _queued_lookup = _lookup_one_op  # a pipeline queues the same
 
     def _batch_op(self, script: str, items: Iterable[str | bytes]) -> Op[list[Any]]:
         return self._items_op(items, lambda h, d: h._batch_op(script, d))
@@ -255,13 +248,9 @@ class ShardedOps:
 
     def _refuse_existing_op(self) -> Op[None]:
         """FilterExistsError when any shard exists."""
-        answers = yield {
-            i: Round([Command("EXISTS", [h.key(0)])]) for i, h in enumerate(self._handles)
-        }
-        for answer in answers.values():
-            if isinstance(answer, BaseException):
-                raise answer
-        if any(answer[0] for answer in answers.values()):
+        exists = yield from lockstep(dict(enumerate(h._exists_op() for h in self._handles)))
+        raise_first(exists.values())
+        if any(exists.values()):
             raise FilterExistsError(f"{self.name}: filter exists", filter=self.name)
 
     def _bulk_target(self, applied: int, source: int) -> Target:
@@ -281,67 +270,40 @@ class ShardedOps:
         layout = replace(per_shard, seed=seed).layout()  # one seed (and layout) for all shards
         self._seed = layout.seed
         header = pack_header(layout, per_shard.capacity, params.error_rate, self.shards)
-        results = yield from self._fan(
-            {i: h._create_op(layout, header) for i, h in enumerate(self._handles)}
-        )
-        return self._combine(results)
+        infos = yield from self._fan(h._create_op(layout, header) for h in self._handles)
+        return self._combine(infos)
 
     def _seed_to_keep(self) -> Op[int | None]:
         """A staging copy takes the live filter's seed, when there is a live filter."""
         if self._live is None:
             return None
         try:
-            yield from self._live._open_op()
+            return (yield from self._live._open_op())
         except FilterNotFoundError:
             return None
-        return self._live._seed
 
     def _info_op(self) -> Op[ShardedFilterInfo]:
         yield from self._open_op()  # info is not hot: re-check the shard count every time
-        results = yield from self._fan({i: h._info_op() for i, h in enumerate(self._handles)})
-        return self._combine(results)
+        return self._combine((yield from self._fan(h._info_op() for h in self._handles)))
 
-    def _combine(self, results: dict[int, Any]) -> ShardedFilterInfo:
-        for i in range(self.shards):
-            if isinstance(results[i], _Rerouted):
-                self._seed = None
-                raise GuardError(
-                    f"{self.name}: the filter was recreated during info", filter=self.name
-                )
-            if isinstance(results[i], BaseException):
-                raise results[i]
-        infos: list[FilterInfo] = [results[i] for i in range(self.shards)]
-        first = infos[0]
-        items = sum(x.items for x in infos)
-        buckets = sum(x.buckets for x in infos)
-        return ShardedFilterInfo(
-            name=self.name,
-            capacity=sum(x.capacity for x in infos),
-            items=items,
-            buckets=buckets,
-            bucket_size=first.bucket_size,
-            fingerprint_bits=first.fingerprint_bits,
-            max_kicks=first.max_kicks,
-            expansion=first.expansion,
+    def _combine(self, infos: list[FilterInfo]) -> ShardedFilterInfo:
+        """The first shard's info (the geometry and targets are the same in every shard),
+        the counters added up."""
+        sums = {field: sum(getattr(x, field) for x in infos) for field in _SUMMED}
+        return replace(
+            ShardedFilterInfo(**vars(infos[0])),
+            **sums,
             subfilters=max(x.subfilters for x in infos),
-            load_factor=items / (buckets * first.bucket_size),
-            memory_bytes=sum(x.memory_bytes for x in infos),
+            load_factor=sums["items"] / (sums["buckets"] * infos[0].bucket_size),
             # An absent item is checked against its one shard: the mean of the shards' rates.
             error_rate=sum(x.error_rate for x in infos) / self.shards,
-            target_error_rate=first.target_error_rate,
-            deletes=sum(x.deletes for x in infos),
-            missed_deletes=sum(x.missed_deletes for x in infos),
             shards=self.shards,
             per_shard=tuple(infos),
         )
 
     def _drop_op(self) -> Op[bool]:
-        results = yield from self._fan({i: h._drop_op() for i, h in enumerate(self._handles)})
-        self._seed = None
-        for r in results.values():
-            if isinstance(r, BaseException):
-                raise r
-        return any(results.values())
+        self._seed = None  # dropping routes nothing
+        return any((yield from self._fan(h._drop_op() for h in self._handles)))
 
     def _promote_op(self, only_if_new: bool = False) -> Op[bool]:
         live = self._live
@@ -355,17 +317,13 @@ class ShardedOps:
         yield from self._open_op()
         if only_if_new:  # no shard swapped in while any exists (each one checks again)
             yield from live._refuse_existing_op()
-        results = yield from self._fan(
-            {i: h._replace_op(live._handles[i], only_if_new) for i, h in enumerate(self._handles)}
-        )
-        for r in results.values():
-            if isinstance(r, BaseException):
-                raise r
+        pairs = zip(self._handles, live._handles, strict=True)
+        yield from self._fan(h._promote_op(only_if_new, onto) for h, onto in pairs)
         live._seed, self._seed = self._seed, None
         return True
 
 
-class ShardedCuckooFilter(AsyncHandle[ShardedFilterInfo], ShardedOps):
+class ShardedCuckooFilter(ShardedOps, AsyncHandle[ShardedFilterInfo]):
     """A filter spread over ``shards`` hash tags, over ``redis.asyncio`` (Redis or
     RedisCluster); creating the handle does no I/O. Same methods as ``CuckooFilter``."""
 
@@ -383,7 +341,7 @@ class ShardedCuckooFilter(AsyncHandle[ShardedFilterInfo], ShardedOps):
         self._start(coalesce)
 
 
-class SyncShardedCuckooFilter(SyncHandle[ShardedFilterInfo], ShardedOps):
+class SyncShardedCuckooFilter(ShardedOps, SyncHandle[ShardedFilterInfo]):
     """The sharded filter over a blocking ``redis.Redis`` or ``redis.cluster.RedisCluster``."""
 
 
