@@ -244,8 +244,7 @@ class _Table:
 
 
 class _Placement:
-    """The items of one build (``h``, fixed ``g``), placed into sub-filters added as
-    insert.lua's growth would add them."""
+    """One build's items (``h``, fixed ``g``), placed into sub-filters as insert.lua adds them."""
 
     def __init__(self, h: np.ndarray, g: np.ndarray, layout: Layout) -> None:
         self.h, self.g, self.layout, self.tables = h, g, layout, list[_Table]()
@@ -271,10 +270,9 @@ class _Placement:
         return np.sort(homeless)
 
     def _buckets(self, ids: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """Both buckets (int32) of the items ``ids`` in a sub-filter of m buckets, a slice at
-        a time (the int64 intermediates stay small). ``mix`` of the f0-bit fingerprint prefix
-        comes from a table of every prefix when there are at most as many prefixes as items:
-        four modulos per item cost more than a look-up in a table that fits in a cache."""
+        """Both buckets (int32) of the items ``ids`` in a sub-filter of m buckets, a slice at a
+        time (small int64 temporaries); ``mix`` of each f0-bit prefix looked up in a table of all
+        when no larger than the items: four modulos cost more than a look-up in cache."""
         f0 = self.layout.fp_bits
         table = None
         if 1 << f0 <= max(1 << 16, len(ids)):
