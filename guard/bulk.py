@@ -31,9 +31,9 @@ import math
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from contextlib import suppress
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
-from itertools import islice
+from itertools import chain, islice
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -65,8 +65,7 @@ MAX_ROUNDS = 4000  # and in any case after this many
 SEARCH_ITEMS = 1024  # a walk's leftovers are searched for (in Python) when at most this many
 SEARCH_BUDGET = 1 << 18  # buckets a sub-filter's searches visit (a second): overfull fails fast
 
-# str/bytes items, or batches of them (lists or tuples, as a database cursor hands them out);
-# an async iterable of either on an asyncio handle.
+# str/bytes items or batches of them (lists, tuples: a database cursor's); async on asyncio.
 Items = Iterable[Any] | AsyncIterable[Any]
 _END = object()
 
@@ -84,23 +83,17 @@ class Hashes:
         self._g: list[list[np.ndarray]] = [[] for _ in range(shards)]
 
     def add_all(self, items: Iterable[Any]) -> None:
-        """Every item of ``items``, or of its batches (the first says which), CHUNK_ITEMS or
-        so at a time; single items in slices, none looked at in Python."""
+        """Every item of ``items``, or of its batches (the first says which), CHUNK_ITEMS at a
+        time; batches are flattened in C, and no item is looked at in Python."""
         it = iter(items)
         first = next(it, _END)
-        if not isinstance(first, list | tuple):
-            chunk = [] if first is _END else [first, *islice(it, CHUNK_ITEMS - 1)]
-            while chunk:
-                self.add(chunk)
-                chunk = list(islice(it, CHUNK_ITEMS))
+        if first is _END:
             return
-        pending = list(first)
-        for batch in it:
-            pending.extend(batch)
-            if len(pending) >= CHUNK_ITEMS:
-                self.add(pending)
-                pending = []
-        self.add(pending)
+        it = chain([first], it)
+        if isinstance(first, list | tuple):
+            it = chain.from_iterable(it)
+        while chunk := list(islice(it, CHUNK_ITEMS)):
+            self.add(chunk)
 
     def add(self, chunk: list[Any]) -> None:
         # One digest per item gives h, g and (sharded) the shard: hashing.item_hashes.
@@ -135,7 +128,7 @@ async def _achunks(items: AsyncIterable[Any]) -> AsyncIterator[list[Any]]:
     yield pending
 
 
-# -- placement ------------------------------------------------------------------------------
+# -- the build: placement and packing -------------------------------------------------------
 
 
 class _Table:
@@ -233,12 +226,11 @@ class _Table:
             out[SUBFILTERS_AT] = out[INDEX_AT] = n
         out[ITEMS_AT : ITEMS_AT + 8] = self.items.to_bytes(8, "big", signed=True)
         f = layout.fp_bits_at(n)
-        at = HEADER_BYTES
         for start in range(0, len(self.owner) if self.items else 0, PACK_SLOTS):
             owner = self.owner[start : start + PACK_SLOTS]
             packed = pack_slots(np.where(owner >= 0, hashing.fingerprint(g[owner], f), 0), f)
+            at = HEADER_BYTES + start * f // 8  # a slice of PACK_SLOTS ends on a byte
             out[at : at + len(packed)] = packed
-            at += len(packed)
         out[-TAG_BYTES:] = layout.tag(n)
         return out
 
@@ -274,9 +266,8 @@ class _Placement:
         time (small int64 temporaries); ``mix`` of each f0-bit prefix looked up in a table of all
         when no larger than the items: four modulos cost more than a look-up in cache."""
         f0 = self.layout.fp_bits
-        table = None
-        if 1 << f0 <= max(1 << 16, len(ids)):
-            table = hashing.mix(np.arange(1 << f0, dtype=np.int64))
+        few = 1 << f0 <= max(1 << 16, len(ids))
+        table = hashing.mix(np.arange(1 << f0, dtype=np.int64)) if few else None
         i1, i2 = np.empty(len(ids), np.int32), np.empty(len(ids), np.int32)
         for a in range(0, len(ids), CHUNK_ITEMS * 16):
             part = slice(a, a + CHUNK_ITEMS * 16)
@@ -326,9 +317,6 @@ class _Placement:
         return False
 
 
-# -- packing and the build -----------------------------------------------------------------
-
-
 def pack_slots(values: np.ndarray, fp_bits: int) -> bytes:
     """Slots as docs/format.md lays them out: ``fp_bits``-bit unsigned big-endian integers,
     bit-packed from the first bit (what ``BITFIELD GET u<f>`` reads), zero bits at the end.
@@ -355,8 +343,7 @@ def pack_slots(values: np.ndarray, fp_bits: int) -> bytes:
     return raw.tobytes()[: (len(values) * f + 7) // 8]
 
 
-@dataclass(frozen=True)
-class BuiltFilter:
+class BuiltFilter(NamedTuple):
     """A filter's sub-filter strings, ready to upload."""
 
     strings: list[bytes | bytearray]
@@ -491,10 +478,9 @@ def load_op(
 
 
 def upload_op(key: Callable[[int], str], built: BuiltFilter) -> Op[None]:
-    """Write ``built`` under ``key(n)``, the keys of a staging copy that holds nothing, so that
-    each string passes the scripts' layout check only once whole: the tag first (making the
-    string at its exact length, as reserve does), the table in pieces, the header last; and
-    sub-filter 0, whose header a promote reads first, last of all."""
+    """Write ``built`` under ``key(n)`` (an empty staging copy's) so that each string passes the
+    layout check only once whole: the tag first (making it at its exact length, as reserve does),
+    the table in pieces, the header last; sub-filter 0, which promote reads first, last of all."""
     calls: list[Call | Command] = []
     size = 0
     for n in reversed(range(len(built.strings))):
