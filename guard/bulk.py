@@ -272,7 +272,7 @@ class _Placement:
         for a in range(0, len(ids), CHUNK_ITEMS * 16):
             part = slice(a, a + CHUNK_ITEMS * 16)
             pick = ids[part]
-            prefix = hashing.fingerprint(self.g[pick], f0)
+            prefix = self.g[pick] >> np.uint32(32 - f0)  # hashing.fingerprint inline: in place
             mixed = table[prefix] if table is not None else hashing.mix(prefix.astype(np.int64))
             i1[part], i2[part] = hashing.buckets(self.h[pick], mixed, m)
         return i1, i2
@@ -368,8 +368,8 @@ def build(h: np.ndarray, g: np.ndarray, layout: Layout, header: bytes, *, name: 
     place) into a filter laid out as ``layout`` with sub-filter 0's ``header`` (both as
     reserve() makes them; it grows from there as the scripts would) and pack its strings.
     FilterFullError when the items do not fit a filter that may not grow further."""
-    for a in range(0, len(g), PACK_SLOTS):  # a slice at a time: the int64 temporaries stay small
-        g[a : a + PACK_SLOTS] = hashing.fix_g(g[a : a + PACK_SLOTS], layout.fp_bits)
+    for a in range(0, len(g), CHUNK_ITEMS):  # in place, a slice at a time: temporaries in cache
+        g[a : a + CHUNK_ITEMS] = hashing.fix_g(g[a : a + CHUNK_ITEMS], layout.fp_bits)
     placement = _Placement(h, g, layout)
     homeless = placement.add_subfilter(None)
     while len(homeless):
