@@ -1,55 +1,40 @@
 """Bulk builds: a filter made whole in memory with numpy, uploaded as its staging copy, promoted.
 
-Inserting items one script call at a time costs Redis 15-60 µs of CPU per item; a filter that
-is being *made* (a load into a new filter, a rebuild from the database) needs none of that
-atomicity while it is invisible. The builder streams its input in chunks, keeping only each
-item's hash (12 bytes: ``h`` and ``g``, guard/hashing.py), places every item with whole-array
-operations, packs the sub-filter strings exactly as docs/format.md lays them out, writes them
-under the filter's staging keys and swaps them in with the project's own promote script.
+A filter being *made* (a load into a new filter, a rebuild) needs none of the atomicity that
+costs Redis 15-60 µs of CPU per item a script inserts. The builder keeps only each item's hash
+(12 bytes: ``h``, ``g``), places the items with whole-array operations, packs the sub-filter
+strings (docs/format.md) and writes them under the staging keys for promote to swap in.
+Placement, per sub-filter, on a table of item numbers:
 
-Placement, per sub-filter, on a table of item numbers (the owner of every slot):
+1. **first choice**: each item claims a slot in its primary bucket, one per bucket per pass
+   (a scatter whose surviving write wins), up to ``b`` passes;
+2. **second choice**: the rest, in their alternate bucket the same way;
+3. **kick rounds**: the homeless walk as the scripts' kick chains do, all at once: each takes a
+   free slot of its current bucket, else a random one, whose item moves on to its other bucket
+   (placed items never leave their two buckets; the homeless are held, never lost);
+4. **search**: the few a walk leaves (at most SEARCH_ITEMS), one by one along the shortest
+   chain of moves that ends in a free slot of any sub-filter so far (lookups and deletes read
+   them all). As in Kuhn's matching algorithm, a search within its budget misses no chain: the
+   build fits every item whenever any arrangement in as many sub-filters does, never fewer
+   than one-by-one inserts.
 
-1. **first choice**: each item claims a slot in its primary bucket, one slot per bucket per
-   pass (a scatter whose surviving write is the winner), up to ``b`` passes;
-2. **second choice**: the rest claim slots in their alternate bucket the same way;
-3. **kick rounds**: the homeless items walk as the scripts' kick chains do, all at once: each
-   goes to a free slot of its current bucket if one is left, else takes a random slot of it,
-   and the item it evicted moves on to its own other bucket. Every round keeps every placed
-   item in one of its two buckets; the homeless ones are always held in an array, never lost;
-4. **search**: the few a walk leaves (at most SEARCH_ITEMS) are placed one by one along the
-   shortest chain of moves that ends in a free slot, through every sub-filter so far (an item
-   may move to an older one: lookups and deletes read them all). Within its budget the search
-   misses no chain, so the build fits every item whenever any arrangement in as many
-   sub-filters does: never fewer than one-by-one inserts.
-
-What is still homeless is never dropped. A growing filter (``expansion`` > 0) gets its next
-sub-filter, as insert.lua's growth would make it (``m0 * k^n`` buckets, one more fingerprint
-bit when sized by error rate), and the leftovers are placed there the same way. A filter that
-cannot hold them (fixed size, or at a growth limit) raises FilterFullError before anything is
-written: the answer the scripts would give, and the sizing rule (``capacity`` →
-guard/layout.py:buckets_for) leaves the margin that makes it rare.
-
-``load_op`` is ``bulk_load`` (guard/facade.py) for every handle: an operation like the others,
-run by the handle's own runner, whose hashing and placement are ``Work`` (guard/ops.py): done
-in a worker thread on an asyncio handle, off the event loop. The upload writes each staging
-string so that it passes the promote script's layout check only once it is whole (tag first,
-allocating the string at its exact length; then the table; the header last); lookups never
-read a staging copy. When the build creates a filter, promote.lua checks, in the same script,
-that the live filter still does not exist, so a filter someone else created meanwhile is never
-replaced (FilterExistsError). A failure anywhere leaves the live filter untouched and deletes
-the staging copy.
+The rest go to the next sub-filter of a growing filter, as insert.lua's growth makes it; one
+that cannot grow raises FilterFullError before anything is written, as the scripts would (the
+margin of guard/layout.py:buckets_for makes it rare). Promote refuses a staging copy that is not
+whole (upload_op) or, when the build creates the filter, a live filter made meanwhile; a failure
+anywhere leaves the live filter untouched and deletes the staging copy.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from contextlib import suppress
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
-from itertools import islice
-from typing import Any, NamedTuple, Protocol
+from itertools import chain, islice
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -57,8 +42,6 @@ from guard import hashing
 from guard.errors import FilterExistsError, FilterFullError, InvalidParameterError
 from guard.layout import (
     COMMON_BYTES,
-    DELETES_AT,
-    ERROR_RATE_AT,
     HEADER_BYTES,
     INDEX_AT,
     ITEMS_AT,
@@ -77,94 +60,62 @@ CHUNK_ITEMS = 1 << 16  # items hashed per step: the only Python objects held at 
 PACK_SLOTS = 1 << 20  # slots packed at once (a multiple of 8: every slice ends on a byte)
 UPLOAD_BYTES = 4 << 20  # bytes per SETRANGE: no command is huge, however large the filter
 PIPELINE_BYTES = 32 << 20  # SETRANGE payload sent per round trip
-# Kick rounds stop when PATIENCE rounds placed under 1 % of the homeless (and at least one):
-# the table is as full as walking gets it. MAX_ROUNDS bounds them in any case; a round is a
-# few passes over the homeless items' arrays.
-PATIENCE = 64
-MAX_ROUNDS = 4000
-# Items a walk leaves homeless are searched for one by one (breadth first, in Python) when at
-# most SEARCH_ITEMS are left; the searches of one sub-filter visit SEARCH_BUDGET buckets at
-# most (about a second), so an overfull filter fails or grows without a long wait.
-SEARCH_ITEMS = 1024
-SEARCH_BUDGET = 1 << 18
+PATIENCE = 64  # kick rounds stop when this many placed under 1 % of the homeless (or none)
+MAX_ROUNDS = 4000  # and in any case after this many
+SEARCH_ITEMS = 1024  # a walk's leftovers are searched for (in Python) when at most this many
+SEARCH_BUDGET = 1 << 18  # buckets a sub-filter's searches visit (a second): overfull fails fast
 
-# str/bytes items, or batches of them (lists or tuples, as a database cursor hands them out);
-# an async iterable of either on an asyncio handle.
+# str/bytes items or batches of them (lists, tuples: a database cursor's); async on asyncio.
 Items = Iterable[Any] | AsyncIterable[Any]
+_END = object()
 
 
 # -- hashing --------------------------------------------------------------------------------
 
 
 class Hashes:
-    """The input, reduced to what placement needs: per shard, ``h`` (int64) and ``g``
-    (uint32) of every item, in input order. Fed one chunk at a time."""
+    """The input reduced to what placement needs: per shard, ``h`` (int64) and ``g`` (uint32)
+    of every item, in input order."""
 
     def __init__(self, seed: int, shards: int = 1) -> None:
-        self.seed = seed
-        self.shards = shards
+        self.seed, self.shards, self.count = seed, shards, 0
         self._h: list[list[np.ndarray]] = [[] for _ in range(shards)]
         self._g: list[list[np.ndarray]] = [[] for _ in range(shards)]
-        self.count = 0
 
     def add_all(self, items: Iterable[Any]) -> None:
-        """Every item of ``items``, or of its batches, a chunk at a time."""
-        for chunk in _chunks(items):
+        """Every item of ``items``, or of its batches (the first says which), CHUNK_ITEMS at a
+        time; batches are flattened in C, and no item is looked at in Python."""
+        it = iter(items)
+        first = next(it, _END)
+        if first is _END:
+            return
+        it = chain([first], it)
+        if isinstance(first, list | tuple):
+            it = chain.from_iterable(it)
+        while chunk := list(islice(it, CHUNK_ITEMS)):
             self.add(chunk)
 
     def add(self, chunk: list[Any]) -> None:
-        if not chunk:
-            return
         # One digest per item gives h, g and (sharded) the shard: hashing.item_hashes.
         rows = hashing.item_hashes(chunk, self.seed, self.shards if self.shards > 1 else 0)
-        h, g = rows[:, 0], rows[:, 1].astype(np.uint32)
         self.count += len(chunk)
-        if self.shards == 1:
-            self._h[0].append(h.copy())  # a column of rows: a view would keep all of them
-            self._g[0].append(g)
-            return
-        shard = rows[:, 2]
-        order = np.argsort(shard, kind="stable")
-        bounds = np.cumsum(np.bincount(shard, minlength=self.shards))
-        for i, part in enumerate(np.split(order, bounds[:-1])):
-            if len(part):
-                self._h[i].append(h[part])
-                self._g[i].append(g[part])
+        parts: list[Any] = [slice(None)]
+        if self.shards > 1:  # each shard's rows, in input order
+            order = np.argsort(rows[:, 2], kind="stable")
+            parts = np.split(order, np.cumsum(np.bincount(rows[:, 2], minlength=self.shards)))
+        for i in range(self.shards):
+            self._h[i].append(rows[parts[i], 0].copy())  # a column's view would keep all rows
+            self._g[i].append(rows[parts[i], 1].astype(np.uint32))
 
     def take(self, shard: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """One shard's (h, g) arrays, handed over: the sink forgets them."""
-        h = np.concatenate(self._h[shard]) if self._h[shard] else np.zeros(0, np.int64)
-        g = np.concatenate(self._g[shard]) if self._g[shard] else np.zeros(0, np.uint32)
+        h, g = [*self._h[shard], np.zeros(0, np.int64)], [*self._g[shard], np.zeros(0, np.uint32)]
         self._h[shard], self._g[shard] = [], []
-        return h, g
-
-
-_END = object()
-
-
-def _chunks(items: Iterable[Any]) -> Iterator[list[Any]]:
-    """The input in lists of about CHUNK_ITEMS items: from items, or from batches of items."""
-    it = iter(items)
-    first = next(it, _END)
-    if first is _END:
-        return
-    if isinstance(first, list | tuple):
-        pending = list(first)
-        for batch in it:
-            pending.extend(batch)
-            if len(pending) >= CHUNK_ITEMS:
-                yield pending
-                pending = []
-        if pending:
-            yield pending
-        return
-    yield [first, *islice(it, CHUNK_ITEMS - 1)]
-    while chunk := list(islice(it, CHUNK_ITEMS)):
-        yield chunk
+        return np.concatenate(h), np.concatenate(g)
 
 
 async def _achunks(items: AsyncIterable[Any]) -> AsyncIterator[list[Any]]:
-    """``_chunks`` of an async iterable."""
+    """An async iterable's items, or its batches' items, in lists of CHUNK_ITEMS or so."""
     pending: list[Any] = []
     async for x in items:
         if isinstance(x, list | tuple):
@@ -174,109 +125,72 @@ async def _achunks(items: AsyncIterable[Any]) -> AsyncIterator[list[Any]]:
         if len(pending) >= CHUNK_ITEMS:
             yield pending
             pending = []
-    if pending:
-        yield pending
+    yield pending
 
 
-# -- placement ------------------------------------------------------------------------------
+# -- the build: placement and packing -------------------------------------------------------
 
 
 class _Table:
     """One sub-filter being filled: in every slot, the number of the item it holds (its place
     in the input; -1: empty). ``fill[i]`` counts bucket i's slots taken, always its first ones.
-
-    Bucket numbers fit int32 (a sub-filter string of at most 512 MB has at most 2**30 buckets,
-    so i1 + i2 does too), and so do slot numbers (2**30 slots of at least 4 bits).
-    """
+    Bucket and slot numbers (so i1 + i2) fit int32: a 512 MB string has under 2**30 slots."""
 
     def __init__(self, buckets: int, bucket_size: int, dtype: Any) -> None:
-        self.m = buckets
-        self.b = bucket_size
+        self.m, self.b, self.items = buckets, bucket_size, 0
         self.owner = np.full(buckets * bucket_size, -1, dtype=dtype)
         self.fill = np.zeros(buckets, dtype=np.int8)
-        self.items = 0
         self._claims = np.empty(buckets, dtype=dtype)
 
-    def claim(self, ids: np.ndarray, bucket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Put each item ``ids[k]`` in a free slot of ``bucket[k]`` where one is left;
-        returns the items not placed (their bucket is full) and their buckets.
+    def _won(self, ids: np.ndarray, bucket: np.ndarray) -> np.ndarray:
+        """Which items won their bucket: the one whose number survived the scatter (any one)."""
+        self._claims[bucket] = ids
+        return self._claims[bucket] == ids
 
-        One pass gives every bucket at most one new item: of the items writing their number
-        into a bucket's cell, the one whose number survived wins. Which one survives does not
-        matter; that exactly one does is what a scatter guarantees.
-        """
-        b = self.b
+    def claim(self, ids: np.ndarray, bucket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Put each item ``ids[k]`` in a free slot of ``bucket[k]``, a pass giving each bucket at
+        most one; returns the items whose bucket is full, and their buckets."""
+        b, full_ids, full_buckets = self.b, [], []
         if not self.items:
-            return self._claim_empty(ids, bucket)
-        is_open = self.fill[bucket] < b
-        full_ids, full_buckets = [ids[~is_open]], [bucket[~is_open]]
-        ids, bucket = ids[is_open], bucket[is_open]
+            # Faster on an empty table: pass p's winners all take slot p (their buckets won
+            # once in each earlier pass), and after b passes every bucket wanted is full.
+            for p in range(b):
+                won = self._won(ids, bucket)
+                self.owner[bucket[won] * b + p] = ids[won]
+                ids, bucket = ids[~won], bucket[~won]
+            self.fill[:] = (self.owner.reshape(-1, b) >= 0).sum(axis=1, dtype=np.int8)
+            self.items = int(self.fill.sum())
+            return ids, bucket
         while len(ids):
-            self._claims[bucket] = ids
-            won = self._claims[bucket] == ids
-            at = bucket[won]
-            self.owner[at * b + self.fill[at]] = ids[won]
-            self.fill[at] += 1
-            self.items += len(at)
-            lost = ~won
-            ids, bucket = ids[lost], bucket[lost]
             is_open = self.fill[bucket] < b
             if not is_open.all():
                 full_ids.append(ids[~is_open])
                 full_buckets.append(bucket[~is_open])
                 ids, bucket = ids[is_open], bucket[is_open]
-        return np.concatenate(full_ids), np.concatenate(full_buckets)
-
-    def _claim_empty(self, ids: np.ndarray, bucket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """claim() on an empty table, where pass p's winners all take slot p (each of their
-        buckets won once in every earlier pass): no fill counts to read, and after b passes
-        every bucket still wanted is full."""
-        b = self.b
-        for p in range(b):
-            if not len(ids):
-                break
-            self._claims[bucket] = ids
-            won = self._claims[bucket] == ids
-            self.owner[bucket[won] * b + p] = ids[won]
-            lost = ~won
-            ids, bucket = ids[lost], bucket[lost]
-        taken = self.owner.reshape(-1, b) >= 0
-        self.fill[:] = taken.sum(axis=1, dtype=np.int8)
-        self.items = int(taken.sum())
-        return ids, bucket
+                if not len(ids):
+                    break
+            won = self._won(ids, bucket)
+            at = bucket[won]
+            self.owner[at * b + self.fill[at]] = ids[won]
+            self.fill[at] += 1
+            self.items += len(at)
+            ids, bucket = ids[~won], bucket[~won]
+        return np.concatenate([*full_ids, ids]), np.concatenate([*full_buckets, bucket])
 
     def place(
         self, ids: np.ndarray, i1: np.ndarray, i2: np.ndarray, rng: np.random.Generator
     ) -> np.ndarray:
-        """Place the items ``ids`` (ascending; ``ids[k]``'s buckets are ``i1[k]``,
-        ``i2[k]``): first choices, second choices, then kick rounds. Returns those homeless."""
-        if len(ids) and ids[-1] == len(ids) - 1:  # 0..n-1: an item's number is its index
-
-            def index(x: np.ndarray) -> np.ndarray:
-                return x
-
-        else:
-
-            def index(x: np.ndarray) -> np.ndarray:
-                return np.searchsorted(ids, x)
-
+        """Place the items ``ids`` (ascending; ``ids[k]``'s buckets are ``i1[k]``, ``i2[k]``):
+        first choices, second choices, then kick rounds. Returns those left homeless."""
+        index: Callable[[np.ndarray], Any] = np.asarray  # where items are in ids
+        if not (len(ids) and ids[-1] == len(ids) - 1):  # else 0..n-1: an item is its index
+            index = partial(np.searchsorted, ids)
         homeless, _ = self.claim(ids, i1)
         homeless, _ = self.claim(homeless, i2[index(homeless)])
-        if len(homeless):
-            homeless = self._kick(homeless, i1, i2, index, rng)
-        return homeless
-
-    def _kick(
-        self,
-        homeless: np.ndarray,
-        i1: np.ndarray,
-        i2: np.ndarray,
-        index: Callable[[np.ndarray], np.ndarray],
-        rng: np.random.Generator,
-    ) -> np.ndarray:
-        """The kick chains of all homeless items at once (see the module docstring)."""
-        free = self.m * self.b - self.items
+        if not len(homeless):
+            return homeless
         # No more walkers than free slots: the others have no slot to reach in this table.
+        free = self.m * self.b - self.items
         ids, aside = homeless[:free], homeless[free:]
         k = index(ids)
         at = np.where(rng.random(len(ids)) < 0.5, i1[k], i2[k])
@@ -285,41 +199,55 @@ class _Table:
             ids, at = self.claim(ids, at)  # a free slot in the current bucket, if one is left
             if not len(ids):
                 break
-            # One walker per bucket (a scatter picks it, as in claim) takes a random slot of it.
-            self._claims[at] = ids
-            won = self._claims[at] == ids
+            # One walker per bucket takes a random slot of it; its victim moves to its other
+            # bucket, and the losers try their own other bucket next.
+            won = self._won(ids, at)
             pos = at[won] * self.b + rng.integers(0, self.b, int(won.sum()), dtype=at.dtype)
             victims = self.owner[pos]
             self.owner[pos] = ids[won]
-            # A victim moves to its other bucket; a loser tries its own other bucket next.
             lost = ids[~won]
             kv, kl = index(victims), index(lost)
-            victims_at = i1[kv] + i2[kv] - at[won]
-            lost_at = i1[kl] + i2[kl] - at[~won]
             ids = np.concatenate([victims, lost])
-            at = np.concatenate([victims_at, lost_at])
+            at = np.concatenate([i1[kv] + i2[kv] - at[won], i1[kl] + i2[kl] - at[~won]])
             if rounds % PATIENCE == 0:
                 if window - len(ids) < max(1, window // 100):
                     break  # as full as walking gets it: the rest go to the next sub-filter
                 window = len(ids)
         return np.concatenate([ids, aside])
 
+    def pack(self, n: int, header0: bytearray, layout: Layout, g: np.ndarray) -> bytearray:
+        """The table as sub-filter n's whole string: sub-filter 0's header as growth copies it
+        (its first COMMON_BYTES; index n, its own item count), the slots packed a slice at a
+        time (only a slice's fingerprints exist at once), the tag."""
+        out = bytearray(layout.string_bytes(n))
+        shared = COMMON_BYTES if n else HEADER_BYTES
+        out[:shared] = header0[:shared]
+        if n:
+            out[SUBFILTERS_AT] = out[INDEX_AT] = n
+        out[ITEMS_AT : ITEMS_AT + 8] = self.items.to_bytes(8, "big", signed=True)
+        f = layout.fp_bits_at(n)
+        for start in range(0, len(self.owner) if self.items else 0, PACK_SLOTS):
+            owner = self.owner[start : start + PACK_SLOTS]
+            packed = pack_slots(np.where(owner >= 0, hashing.fingerprint(g[owner], f), 0), f)
+            at = HEADER_BYTES + start * f // 8  # a slice of PACK_SLOTS ends on a byte
+            out[at : at + len(packed)] = packed
+        out[-TAG_BYTES:] = layout.tag(n)
+        return out
+
 
 class _Placement:
-    """The items of one build (``h``, fixed ``g``), placed into sub-filters added as
-    insert.lua's growth would add them."""
+    """One build's items (``h``, fixed ``g``), placed into sub-filters as insert.lua adds them."""
 
     def __init__(self, h: np.ndarray, g: np.ndarray, layout: Layout) -> None:
-        self.h, self.g, self.layout = h, g, layout
-        self.tables: list[_Table] = []
+        self.h, self.g, self.layout, self.tables = h, g, layout, list[_Table]()
         self._dtype = np.int32 if len(h) < 2**31 else np.int64
         self._rng = np.random.default_rng([layout.seed, len(h)])  # a build is reproducible
+        self._budget = 0  # buckets the searches may still visit
 
     def add_subfilter(self, ids: np.ndarray | None) -> np.ndarray:
         """Add the next sub-filter and place the items ``ids`` (ascending; None: all) in it,
         then search every sub-filter for the few a walk leaves. Returns those still homeless."""
-        n = len(self.tables)
-        m = self.layout.buckets(n)
+        m = self.layout.buckets(len(self.tables))
         table = _Table(m, self.layout.bucket_size, self._dtype)
         self.tables.append(table)
         if ids is None:
@@ -328,28 +256,23 @@ class _Placement:
         homeless = table.place(ids, i1, i2, self._rng)
         del i1, i2, ids
         if 0 < len(homeless) <= SEARCH_ITEMS:
-            budget = [SEARCH_BUDGET]
-            homeless = np.array(
-                [x for x in homeless.tolist() if not self._search(x, budget)], dtype=self._dtype
-            )
+            self._budget = SEARCH_BUDGET
+            left = [x for x in homeless.tolist() if not self._search(x)]
+            homeless = np.array(left, dtype=self._dtype)
         return np.sort(homeless)
 
     def _buckets(self, ids: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """Both buckets (int32) of the items ``ids`` in a sub-filter of m buckets, a slice at
-        a time so that the int64 intermediates stay small.
-
-        ``H(P)`` (hashing.mix of the f0-bit fingerprint prefix) is looked up in a table of
-        every prefix when there are at most as many prefixes as items: four modulos per item
-        cost more than one look-up in a table that fits in a cache."""
+        """Both buckets (int32) of the items ``ids`` in a sub-filter of m buckets, a slice at a
+        time (small int64 temporaries); ``mix`` of each f0-bit prefix looked up in a table of all
+        when no larger than the items: four modulos cost more than a look-up in cache."""
         f0 = self.layout.fp_bits
-        table = None
-        if 1 << f0 <= max(1 << 16, len(ids)):
-            table = hashing.mix(np.arange(1 << f0, dtype=np.int64))
+        few = 1 << f0 <= max(1 << 16, len(ids))
+        table = hashing.mix(np.arange(1 << f0, dtype=np.int64)) if few else None
         i1, i2 = np.empty(len(ids), np.int32), np.empty(len(ids), np.int32)
         for a in range(0, len(ids), CHUNK_ITEMS * 16):
             part = slice(a, a + CHUNK_ITEMS * 16)
             pick = ids[part]
-            prefix = self.g[pick] >> np.uint32(32 - f0)
+            prefix = self.g[pick] >> np.uint32(32 - f0)  # hashing.fingerprint inline: in place
             mixed = table[prefix] if table is not None else hashing.mix(prefix.astype(np.int64))
             i1[part], i2[part] = hashing.buckets(self.h[pick], mixed, m)
         return i1, i2
@@ -357,29 +280,22 @@ class _Placement:
     def _nodes(self, item: int) -> list[tuple[int, int]]:
         """Every (sub-filter, bucket) the item may sit in."""
         h = int(self.h[item])
-        mixed = hashing.mix(int(self.g[item]) >> (32 - self.layout.fp_bits))
+        mixed = hashing.mix(hashing.fingerprint(int(self.g[item]), self.layout.fp_bits))
         out = []
         for n, table in enumerate(self.tables):
             i1, i2 = hashing.buckets(h, mixed, table.m)
             out += [(n, i1), (n, i2)] if i2 != i1 else [(n, i1)]
         return out
 
-    def _search(self, item: int, budget: list[int]) -> bool:
+    def _search(self, item: int) -> bool:
         """Place ``item`` by the shortest chain of moves that ends in a free slot of any
-        sub-filter, if a breadth-first search finds one within ``budget[0]`` buckets (the
-        budget is shared by the searches of one sub-filter's leftovers, and used up here).
-
-        A search that ends within its budget misses no chain; so, as in Kuhn's matching
-        algorithm, a build whose searches all end within budget holds every item whenever any
-        arrangement in as many sub-filters does (never fewer than one-by-one inserts place).
-        An item may move to an older sub-filter: lookups and deletes read them all.
-        """
+        sub-filter, if a breadth-first search finds one within the budget (module docstring)."""
         came: dict[tuple[int, int], tuple[tuple[int, int], int] | None]
         came = dict.fromkeys(self._nodes(item))
         queue = deque(came)
         tables, b = self.tables, self.layout.bucket_size
-        while queue and budget[0] > 0:
-            budget[0] -= 1
+        while queue and self._budget > 0:
+            self._budget -= 1
             node = queue.popleft()
             n, i = node
             if tables[n].fill[i] < b:
@@ -401,19 +317,12 @@ class _Placement:
         return False
 
 
-# -- packing --------------------------------------------------------------------------------
-
-
 def pack_slots(values: np.ndarray, fp_bits: int) -> bytes:
     """Slots as docs/format.md lays them out: ``fp_bits``-bit unsigned big-endian integers,
     bit-packed from the first bit (what ``BITFIELD GET u<f>`` reads), zero bits at the end.
-
-    Slots go in groups that end on a byte boundary (8 / gcd(f, 8) slots); each group is built
-    in a few 64-bit words with shifts, whole arrays at once, and the words' bytes are the
-    group's bytes.
-    """
+    Each group of slots that ends on a byte (8 / gcd(f, 8) of them) is shifted into a few
+    64-bit words, whole arrays at once; the words' bytes are the group's bytes."""
     f = fp_bits
-    nbytes = (len(values) * f + 7) // 8
     if f in (8, 16, 32):
         return values.astype(f">u{f // 8}").tobytes()
     k = 8 // math.gcd(f, 8)  # slots per group; a group is k * f / 8 bytes
@@ -424,25 +333,19 @@ def pack_slots(values: np.ndarray, fp_bits: int) -> bytes:
     v = flat.reshape(groups, k)
     out = np.zeros((groups, words), dtype=np.uint64)
     for j in range(k):
-        at = j * f
-        w, shift = at // 64, 64 - at % 64 - f  # the slot's bits end `shift` bits above word w's
+        w, shift = j * f // 64, 64 - j * f % 64 - f  # the slot ends `shift` bits above word w's end
         if shift >= 0:
             out[:, w] |= v[:, j] << np.uint64(shift)
         else:  # the slot straddles words w and w + 1
             out[:, w] |= v[:, j] >> np.uint64(-shift)
             out[:, w + 1] |= v[:, j] << np.uint64(64 + shift)
     raw = out.astype(">u8").view(np.uint8).reshape(groups, words * 8)[:, : k * f // 8]
-    return raw.tobytes()[:nbytes]
+    return raw.tobytes()[: (len(values) * f + 7) // 8]
 
 
-# -- the build ------------------------------------------------------------------------------
+class BuiltFilter(NamedTuple):
+    """A filter's sub-filter strings, ready to upload."""
 
-
-@dataclass(frozen=True)
-class BuiltFilter:
-    """A filter's sub-filter strings, ready to upload (``layout.subfilters`` of them)."""
-
-    layout: Layout
     strings: list[bytes | bytearray]
     items: list[int]  # fingerprints stored per sub-filter
 
@@ -460,46 +363,17 @@ def _growth_problem(layout: Layout, n: int) -> str | None:
     return None
 
 
-def _subfilter_string(
-    header0: bytes | bytearray, layout: Layout, n: int, table: _Table, g: np.ndarray
-) -> bytearray:
-    """Sub-filter n's whole string: sub-filter 0's header as growth copies it (index n, its own
-    item count, counters and change ids zero), the table packed a slice at a time (the slots'
-    fingerprints exist only a slice at a time), the tag."""
-    out = bytearray(layout.string_bytes(n))
-    shared = HEADER_BYTES if n == 0 else COMMON_BYTES
-    out[:shared] = header0[:shared]
-    if n:  # the bytes after COMMON_BYTES (applied, source) stay 0, as do the delete counters
-        out[SUBFILTERS_AT] = out[INDEX_AT] = n
-        out[DELETES_AT:ERROR_RATE_AT] = bytes(ERROR_RATE_AT - DELETES_AT)
-    out[ITEMS_AT : ITEMS_AT + 8] = table.items.to_bytes(8, "big", signed=True)
-    f = layout.fp_bits_at(n)
-    at = HEADER_BYTES
-    for start in range(0, len(table.owner) if table.items else 0, PACK_SLOTS):
-        owner = table.owner[start : start + PACK_SLOTS]
-        prints = np.where(owner >= 0, hashing.fingerprint(g[owner], f), 0)
-        packed = pack_slots(prints, f)
-        out[at : at + len(packed)] = packed
-        at += len(packed)
-    out[-TAG_BYTES:] = layout.tag(n)
-    return out
-
-
 def build(h: np.ndarray, g: np.ndarray, layout: Layout, header: bytes, *, name: str) -> BuiltFilter:
-    """Place the items whose hashes are ``h``, ``g`` into a filter laid out as ``layout`` with
-    sub-filter 0's ``header`` (both as reserve() would make them: it grows from there as the
-    scripts would) and pack its strings.
-
-    ``g`` is changed in place (hashing.fix_g): the arrays are handed over, not lent.
-    Raises FilterFullError when the items do not fit a filter that may not grow further.
-    """
-    f0 = layout.fp_bits
-    g[g >> np.uint32(32 - f0) == 0] += np.uint32(1 << (32 - f0))  # hashing.fix_g, in place
+    """Place the items whose hashes are ``h``, ``g`` (handed over, not lent: ``g`` is fixed in
+    place) into a filter laid out as ``layout`` with sub-filter 0's ``header`` (both as
+    reserve() makes them; it grows from there as the scripts would) and pack its strings.
+    FilterFullError when the items do not fit a filter that may not grow further."""
+    for a in range(0, len(g), CHUNK_ITEMS):  # in place, a slice at a time: temporaries in cache
+        g[a : a + CHUNK_ITEMS] = hashing.fix_g(g[a : a + CHUNK_ITEMS], layout.fp_bits)
     placement = _Placement(h, g, layout)
     homeless = placement.add_subfilter(None)
     while len(homeless):
-        problem = _growth_problem(layout, len(placement.tables))
-        if problem:
+        if problem := _growth_problem(layout, len(placement.tables)):
             raise FilterFullError(
                 f"filter {name!r} is full: {len(homeless):,} of {len(h):,} items do not fit "
                 f"({problem}); nothing was written. Give a larger capacity or an expansion",
@@ -509,25 +383,21 @@ def build(h: np.ndarray, g: np.ndarray, layout: Layout, header: bytes, *, name: 
     tables = placement.tables
     del placement, h, homeless
     layout = replace(layout, subfilters=len(tables))
-    header0 = bytearray(header)
+    header0 = bytearray(header)  # pack_header's: counters and change ids 0
     header0[SUBFILTERS_AT] = layout.subfilters
+    items = [table.items for table in tables]
     strings: list[bytes | bytearray] = []
-    items = []
     while tables:  # each table freed once packed
-        table = tables.pop(0)
-        strings.append(_subfilter_string(header0, layout, len(strings), table, g))
-        items.append(table.items)
-        del table
-    return BuiltFilter(layout, strings, items)
+        strings.append(tables.pop(0).pack(len(strings), header0, layout, g))
+    return BuiltFilter(strings, items)
 
 
 # -- the operation: bulk_load on any handle -------------------------------------------------
 
 
 class Target(NamedTuple):
-    """What a build writes, as the staging copy's handle says (its ``_bulk_target``,
-    guard/filter.py and guard/sharded.py): the filters that hold the items, one or one per
-    shard, and what their headers record."""
+    """What a build writes, as the staging copy's handle says (``_bulk_target``, guard/filter.py
+    and guard/sharded.py): the filters that hold the items and what their headers record."""
 
     parts: list[Any]  # each with .key(n), sub-filter n's key
     shards: int = 0  # as the headers record it: 0 for a plain filter
@@ -539,22 +409,8 @@ class Target(NamedTuple):
         return replace(made, capacity=self.share(total) if self.share else total, seed=seed)
 
 
-class Handle(Protocol):
-    """What a build uses of the handle whose filter it makes (guard/facade.py)."""
-
-    name: str
-    key: Callable[..., str]  # key(0): its first key
-
-    def staging(self) -> Handle: ...
-    def _bulk_target(self, applied: int, source: int) -> Target: ...
-    def _exists_op(self) -> Op[bool]: ...
-    def _drop_op(self) -> Op[bool]: ...
-    def _promote_op(self, only_if_new: bool = False) -> Op[bool]: ...
-    def _info_op(self) -> Op[Any]: ...
-
-
 def load_op(
-    handle: Handle,
+    handle: Any,
     items: Items,
     capacity: int | None,
     params: dict[str, Any],
@@ -564,15 +420,13 @@ def load_op(
     applied: int,
     source: int,
 ) -> Op[Any]:
-    """``bulk_load`` of ``handle`` (see guard/facade.py): every argument checked as reserve()
-    checks it, before any I/O; the input read and hashed; each part built, then uploaded to
-    the staging copy; the copy promoted; the info of what was written."""
+    """``bulk_load`` of ``handle`` (a Facade: guard/facade.py, which imports this module):
+    arguments checked as reserve() checks them, before any I/O; the input hashed; each part
+    built and uploaded to the staging copy; the copy promoted; the info of what was written."""
     made = FilterParams.of(1 if capacity is None else capacity, **params)
     stage = handle.staging()
-    target = stage._bulk_target(applied, source)
-    if promote and stage.key(0) == handle.key(0):
-        # A staging handle's own staging copy is itself: promoting it onto "its live keys"
-        # would delete the build.
+    target: Target = stage._bulk_target(applied, source)
+    if promote and stage.key(0) == handle.key(0):  # promoting it onto itself would delete it
         raise InvalidParameterError(
             "bulk_load on a staging copy writes it and stops there: pass promote=False, then "
             "call its promote()",
@@ -584,24 +438,34 @@ def load_op(
         if (yield from handle._exists_op()):
             raise FilterExistsError(f"{handle.name}: filter exists", filter=handle.name)
     elif seed is None and target.keep_seed:
-        # A sharded filter replaced keeps its seed, as its staging copy does (sharded.py): an
-        # item routes to the same shard in both, so a lookup between two shards' promotes
-        # still finds it.
+        # A replaced sharded filter keeps its seed, as its staging copy does (sharded.py): items
+        # route to the same shards in both, so lookups between two shards' promotes find them.
         seed = yield from target.keep_seed()
-    # Sized now (a filter too large for a Redis string is refused before any I/O); the seed
-    # drawn as reserve() draws it, unless one is given or kept.
+    # Sized now (too large for a Redis string: refused before any I/O), the seed drawn as
+    # reserve() draws it unless given or kept.
     seed = target.params(made, made.capacity, seed).layout().seed
     sink = Hashes(seed, len(target.parts))
-    yield from _read_op(items, sink)
+    if isinstance(items, AsyncIterable):  # its chunks awaited one by one
+        chunks = _achunks(items)
+        while (chunk := (yield Work(partial(anext, chunks, None), awaits=True))) is not None:
+            yield Work(partial(sink.add, chunk))
+    else:
+        yield Work(partial(sink.add_all, items))
     part = target.params(made, max(1, sink.count) if capacity is None else capacity, seed)
     layout = part.layout()
     header = pack_header(
         layout, part.capacity, part.error_rate, target.shards, applied=applied, source=source
     )
+
+    def build_part(i: int) -> BuiltFilter:
+        # The hashes handed over in the runner (a worker thread on asyncio): build() holds the
+        # only reference, and frees each array once done with it.
+        return build(*sink.take(i), layout, header, name=handle.name)
+
     try:
         yield from stage._drop_op()  # an older staging copy
         for i, filter_part in enumerate(target.parts):
-            built = yield Work(partial(_build, sink, i, layout, header, handle.name))
+            built = yield Work(partial(build_part, i))
             yield from upload_op(filter_part.key, built)
             del built
         if promote:
@@ -613,28 +477,10 @@ def load_op(
     return (yield from (handle if promote else stage)._info_op())
 
 
-def _read_op(items: Items, sink: Hashes) -> Op[None]:
-    """The input into ``sink``; an async iterable's batches awaited one by one."""
-    if not isinstance(items, AsyncIterable):
-        yield Work(partial(sink.add_all, items))
-        return
-    batches = _achunks(items)
-    while (chunk := (yield Work(partial(anext, batches, None), awaits=True))) is not None:
-        yield Work(partial(sink.add, chunk))
-
-
-def _build(sink: Hashes, part: int, layout: Layout, header: bytes, name: str) -> BuiltFilter:
-    # The hashes are handed over here, in the runner (a worker thread on asyncio): build()
-    # holds the only reference, and frees each array as soon as it is done with it.
-    return build(*sink.take(part), layout, header, name=name)
-
-
 def upload_op(key: Callable[[int], str], built: BuiltFilter) -> Op[None]:
-    """Write ``built`` under ``key(n)``, the keys of a staging copy that holds nothing.
-
-    Each string is written so that it passes the scripts' layout check only once whole: the
-    tag first (creating the string at its exact length, as reserve does), then the table in
-    pieces, the header last; and sub-filter 0, whose header a promote reads first, last."""
+    """Write ``built`` under ``key(n)`` (an empty staging copy's) so that each string passes the
+    layout check only once whole: the tag first (making it at its exact length, as reserve does),
+    the table in pieces, the header last; sub-filter 0, which promote reads first, last of all."""
     calls: list[Call | Command] = []
     size = 0
     for n in reversed(range(len(built.strings))):
