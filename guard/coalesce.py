@@ -27,9 +27,7 @@ class LookupCoalescer:
     async def lookup_many(self, items: list[bytes]) -> list[bool]:
         if not items:
             return []
-        if not self._flushing:
-            # Idle: this call makes the trip itself, with no task or future to pay for;
-            # calls arriving meanwhile queue up and go together when it returns.
+        if not self._flushing:  # idle: this call makes the trip itself, no task or future
             self._flushing = True
             try:
                 return await self._lookup(items)

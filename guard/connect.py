@@ -57,28 +57,25 @@ def split_cluster_url(url: str) -> tuple[str, list[tuple[str, int]]]:
 
 def _open(url: str, cluster: bool | None, options: dict[str, Any], clients: tuple) -> Any:
     """A client of ``clients`` (retry, single-server client, cluster client, node: sync or
-    asyncio). A client redis-py makes with ``Redis(host=...)`` sends a command that timed out
-    again (10 times in 8.1.0; one made ``from_url`` does not, by its defaults, not by promise).
-    A script that timed out may still have run, and a delete run twice can remove a second copy
-    of an item's fingerprint: a false negative. Only a broken connection is retried, once (it
-    replaces a pooled connection a Redis restart killed), unless the caller chose a retry."""
+    asyncio). redis-py may send a command that timed out again (``Redis(host=...)`` does, 10
+    times in 8.1.0), yet a script that timed out may have run, and a delete run twice can remove
+    a second copy of a fingerprint: a false negative. So unless the caller chose a retry, only
+    a broken connection is retried, once (a pooled connection a Redis restart killed)."""
     retry, single, cluster_client, node = clients
     options = {"retry": retry(NoBackoff(), 1, (RedisConnectionError,)), **options}
-    if cluster is False and is_cluster_url(url):
-        raise InvalidParameterError("cluster=False contradicts a redis-cluster:// URL")
     if not is_cluster_url(url):
         return (cluster_client if cluster else single).from_url(url, **options)
+    if cluster is False:
+        raise InvalidParameterError("cluster=False contradicts a redis-cluster:// URL")
     seed, others = split_cluster_url(url)
-    nodes = [node(h, p) for h, p in others]
-    return cluster_client.from_url(seed, startup_nodes=nodes, **options)
+    return cluster_client.from_url(seed, startup_nodes=[node(*n) for n in others], **options)
 
 
 def connect(url: str, *, cluster: bool | None = None, **options: Any) -> Any:
     """A blocking client: ``redis.Redis`` or ``redis.cluster.RedisCluster``.
 
     ``cluster``: None = from the URL's scheme; True = a cluster even for a ``redis://`` URL.
-    ``options`` go to the client (socket_timeout, decode_responses, retry, …); without
-    ``retry``, a command that timed out is not sent again (see ``_open``).
+    ``options`` go to the client; without ``retry``, a timed-out command is not sent again.
     """
     return _open(url, cluster, options, (Retry, redis.Redis, RedisCluster, ClusterNode))
 

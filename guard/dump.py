@@ -8,19 +8,16 @@ The file (all integers big-endian)::
     SHA-256 of everything above (32 bytes)
 
 The JSON header names the filter, its layout, the byte length of every sub-filter string and
-the item count. Export reads a snapshot: one MULTI/EXEC copies every sub-filter key to
-snapshot keys under the filter's hash tag (COPY is a memory copy on the server, so writers wait
-microseconds, and the copies cannot change while they are read in GETRANGE chunks); the copies
-carry a TTL so a crashed export cleans up after itself, and are deleted when done. A read-only
-replica refuses COPY: there every chunk of the live keys is read in one MULTI instead (the
-replica changes only by replication, so one transaction sees one instant).
+the item count. Export reads a snapshot: one MULTI/EXEC COPYs every sub-filter key under the
+filter's hash tag (a memory copy: writers wait microseconds), with a TTL in case the export
+dies; the copies are read in GETRANGE chunks, then deleted. A read-only replica refuses COPY:
+there every chunk of the live keys is read in one MULTI (a replica changes only by
+replication, so one transaction sees one instant).
 
-Both check every sub-filter string as the probe does (guard/layout.py:verify_stored): export
-before it writes a byte; import, with the checksum and every length and offset, over the whole
-file before it writes anything. Import then fills the filter's staging copy (each string made
-at full size by one SETRANGE at its last byte, then chunk by chunk), verifies it again and
-promotes it: one Lua script replaces the live filter. A refused or failed import leaves the
-live filter as it was.
+Both sides check every sub-filter string as the probe does (layout.verify_stored): export
+before it writes a byte, import over the whole file (with the checksum, lengths and offsets)
+before it writes anything. Import then fills the filter's staging copy, verifies it again and
+promotes it in one Lua script: a refused or failed import leaves the live filter as it was.
 
 Sync only (``SyncCuckooFilter``): this is for the command line and scripts.
 """
@@ -94,11 +91,10 @@ class DumpHeader:
             raise DumpError(f"bad dump header: {exc!r}") from None
         if version != FORMAT_VERSION:
             raise DumpError(f"filter format version {version} is not supported")
-        if not 1 <= layout.subfilters <= MAX_SUBFILTERS or len(lengths) != layout.subfilters:
-            raise DumpError("bad dump header: sub-filter count does not match the lengths")
-        expected = [layout.string_bytes(n) for n in range(layout.subfilters)]
-        if lengths != expected:
-            raise DumpError(f"bad dump header: lengths {lengths}, the layout makes {expected}")
+        if not 1 <= layout.subfilters <= MAX_SUBFILTERS:
+            raise DumpError(f"bad dump header: {layout.subfilters} sub-filters")
+        if lengths != [layout.string_bytes(n) for n in range(layout.subfilters)]:
+            raise DumpError(f"bad dump header: lengths {lengths} are not those of its layout")
         if any(n > MAX_STRING_BYTES for n in lengths):
             raise DumpError("bad dump header: a sub-filter is larger than a Redis string")
         return cls(name, layout, lengths, items, capacity)
@@ -111,9 +107,6 @@ class DumpSummary:
     items: int
     bytes: int  # filter bytes (the file is slightly larger)
     sha256: str
-
-
-# -- export ---------------------------------------------------------------------------------
 
 
 def _snapshot(cf: SyncCuckooFilter) -> list[str] | None:
@@ -226,9 +219,6 @@ def export_filter(
     finally:
         if snaps:
             redis.delete(*snaps)
-
-
-# -- import ---------------------------------------------------------------------------------
 
 
 def _chunks(f: IO[bytes], header_out: list[DumpHeader]) -> Iterator[tuple[int, int, bytes]]:

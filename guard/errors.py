@@ -75,9 +75,9 @@ class FilterCorruptError(GuardError):
 
 
 class ChangeSourceError(GuardError):
-    """The filter follows another change log than the one given: it was built from another
-    database (or another install of the change feed); rebuild it from this one. ``stored`` is
-    the change log identity the filter holds, ``given`` the caller's."""
+    """The filter follows another change log than the one given (it was built from another
+    database, or install of the change feed): rebuild it. ``stored``: the change log identity
+    it holds; ``given``: the caller's."""
 
     def __init__(self, filter: str, stored: int, given: int) -> None:
         super().__init__(

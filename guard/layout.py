@@ -18,8 +18,7 @@ from guard.errors import FilterCorruptError
 MAGIC = 0x434B4744  # "CKGD"
 VERSION = 3
 HEADER_BYTES = 128
-# The header's fields in byte order, as struct codes (big-endian, no padding); docs/format.md
-# has the same table for other clients. Every offset below is computed from it.
+# The header's fields in byte order, as big-endian struct codes (docs/format.md's table).
 _FIELDS = (
     ("magic", "I"), ("version", "B"), ("bucket_size", "B"), ("fp_bits", "B"),
     ("fp_step", "B"), ("expansion", "B"), ("subfilters", "B"), ("index", "B"), ("flags", "B"),
@@ -28,14 +27,12 @@ _FIELDS = (
     ("applied", "Q"),  # id of the last database change applied (docs/format.md, "Change feed")
     ("source", "Q"),  # identity of the change log the filter follows
 )  # fmt: skip
-# Each field's byte offset: the size of the fields before it.
-FIELD_AT = {
+FIELD_AT = {  # each field's byte offset: the size of the fields before it
     name: struct.calcsize(">" + "".join(code for _, code in _FIELDS[:k]))
     for k, (name, _) in enumerate(_FIELDS)
 }
-# The offsets that scripts and readers address one by one. Growth copies the first
-# COMMON_BYTES of sub-filter 0's header into a new sub-filter; the bytes after them belong to
-# sub-filter 0 alone (0 elsewhere). From RESERVED_AT to HEADER_BYTES: zero.
+# Growth copies sub-filter 0's first COMMON_BYTES into a new sub-filter; the bytes after them
+# are sub-filter 0's alone (0 elsewhere). From RESERVED_AT to HEADER_BYTES: zero.
 SUBFILTERS_AT = FIELD_AT["subfilters"]
 INDEX_AT = FIELD_AT["index"]
 ITEMS_AT = FIELD_AT["items"]
@@ -46,14 +43,12 @@ APPLIED_AT = FIELD_AT["applied"]
 SOURCE_AT = FIELD_AT["source"]
 COMMON_BYTES = APPLIED_AT
 RESERVED_AT = SOURCE_AT + 8
-# Change ids stay below 2**53: the scripts compare and add them as Lua doubles, exactly.
-MAX_CHANGE_ID = 2**53 - 1
+MAX_CHANGE_ID = 2**53 - 1  # the scripts compare and add change ids as Lua doubles, exactly
 MAX_SOURCE = 2**64 - 1
-# Every sub-filter string ends in an 8-byte tag (docs/format.md): which sub-filter it is (and,
-# in sub-filter 0, how many there are), a digest of the geometry, and TRAILER, so that a
-# lookup proves the layout it reads with one 64-bit read instead of the whole header.
+# Every sub-filter string ends in an 8-byte tag (Layout.tag), so that a lookup proves the
+# layout it reads with one 64-bit read instead of the whole header.
 TAG_BYTES = 8
-TRAILER = 0xA5  # last byte of every sub-filter string: a truncated string loses it
+TRAILER = 0xA5  # the tag's last byte: a truncated string loses it
 MAX_SUBFILTERS = 32
 MAX_STRING_BYTES = 512 * 1024 * 1024  # Redis's proto-max-bulk-len default
 BUCKET_SIZES = (1, 2, 4, 8)
@@ -62,12 +57,11 @@ MAX_EXPANSION = 16
 MAX_KICKS_LIMIT = 4000  # keeps the worst single insert far below Redis's 5 s busy-script limit
 MAX_CAPACITY = 1 << 40
 MAX_SHARDS = 1024
-# Load a table of each bucket size holds at its first failed insert with 500 kicks (median of
-# 5 seeds at ~100k slots: b=1 0.51, b=2 0.874, b=4 0.965, b=8 0.990; docs/bench-core.md), less
-# a margin so `capacity` items fit in a fixed-size filter.
+# The load at a table's first failed insert with 500 kicks (median of 5 seeds at ~100k slots:
+# b=1 0.51, 2 0.874, 4 0.965, 8 0.990; docs/bench-core.md), less a margin so `capacity` items
+# fit a fixed-size filter. Small tables vary more (lowest of 40 seeds below 4k slots: b=2
+# 0.765, b=4 0.919), so they get more room: a few hundred bytes at most.
 TARGET_LOAD = {1: 0.42, 2: 0.83, 4: 0.94, 8: 0.97}
-# Small tables vary more from seed to seed (lowest seen over 40 seeds below 4k slots: b=2 0.765,
-# b=4 0.919), so they get more room; it costs a few hundred bytes at most.
 SMALL_TABLE_SLOTS = 4096
 SMALL_TABLE_LOAD = {1: 0.35, 2: 0.72, 4: 0.88, 8: 0.93}
 
@@ -130,11 +124,8 @@ def string_bytes(buckets: int, bucket_size: int, fp_bits: int) -> int:
 
 
 def allocator_size(nbytes: int) -> int:
-    """The jemalloc size class Redis rounds an allocation of ``nbytes`` up to.
-
-    Classes above 64 bytes come four per doubling; a table sized to fill its class gets the
-    allocator's slack as free headroom instead of wasting it.
-    """
+    """The jemalloc size class Redis rounds an allocation of ``nbytes`` up to (above 64 bytes,
+    four per doubling): a table sized to fill its class gets the slack as free headroom."""
     if nbytes <= 64:
         return max(8, (nbytes + 7) // 8 * 8)
     group = 1 << (nbytes - 1).bit_length() - 1  # largest power of two below nbytes
@@ -208,15 +199,12 @@ class Header(NamedTuple):
 
 def unpack_header(data: bytes) -> Header:
     """Decode the header of a sub-filter string (no validation: compare magic yourself)."""
-    fields = _HEADER.unpack_from(data)
-    (magic, version, b, f0, step, exp, nsub, index, _flags, m0, kicks, shards, seed,
-     capacity, items, deletes, missed, eps_ppt, applied, source) = fields  # fmt: skip
+    (magic, version, b, f0, step, exp, nsub, index, _flags, m0, kicks, shards, seed, capacity,
+     items, deletes, missed, eps_ppt, applied, source) = _HEADER.unpack_from(data)  # fmt: skip
     layout = Layout(b, f0, step, exp, nsub, kicks, m0, seed)
     rate = eps_ppt / 1e12 if eps_ppt else None
-    return Header(
-        magic, version, layout, index, shards, capacity, items, deletes, missed, rate,
-        applied, source,
-    )  # fmt: skip
+    return Header(magic, version, layout, index, shards, capacity, items, deletes, missed, rate,
+                  applied, source)  # fmt: skip
 
 
 class Stored(NamedTuple):
@@ -229,8 +217,8 @@ class Stored(NamedTuple):
 
 
 def probe_reads(key: str) -> list[tuple[str, list[str | int]]]:
-    """The read-only commands (name, arguments) that read a sub-filter string for
-    verify_stored: its header, its length and its last 8 bytes, wherever they are."""
+    """The commands (name, arguments) reading what verify_stored checks of a sub-filter string:
+    its header, its length and its tag."""
     return [
         ("GETRANGE", [key, 0, HEADER_BYTES - 1]),
         ("STRLEN", [key]),
@@ -296,9 +284,8 @@ def _header_problem(header: bytes) -> str | None:
 
 def _string_problem(sub: Stored, n: int, header0: bytes, layout: Layout) -> str | None:
     """What is wrong with sub-filter n's string, or None, once sub-filter 0's header passed
-    _header_problem. Sub-filter n >= 1's header is sub-filter 0's as growth copied it (its
-    first COMMON_BYTES), with its own index and item count, its other counters zero, and none
-    of sub-filter 0's own bytes (applied, source)."""
+    _header_problem. Sub-filter n >= 1's header is sub-filter 0's first COMMON_BYTES with its
+    own index and item count, its other counters zero, then zeros."""
     header = sub.header
     if n:
         if len(header) < HEADER_BYTES or _field(header, "magic") != MAGIC:
@@ -331,19 +318,15 @@ def _string_problem(sub: Stored, n: int, header0: bytes, layout: Layout) -> str 
 
 
 def verify_stored(name: str, subs: Sequence[Stored]) -> Layout:
-    """The layout a stored filter holds, once every byte read agrees with the format.
-
-    ``subs[0]`` is sub-filter 0 (the probe reads as many as the caller has room for);
-    FilterCorruptError names the filter and what is wrong. When ``subs`` holds fewer strings
-    than sub-filter 0 counts, only those are checked: read the rest, call again.
+    """The layout a stored filter holds, once every byte read agrees with the format, else
+    FilterCorruptError. ``subs[0]`` is sub-filter 0; when ``subs`` holds fewer strings than it
+    counts, only those are checked: read the rest, call again.
     """
     first = subs[0]
-    problem = _header_problem(first.header)
-    if problem:
+    if problem := _header_problem(first.header):
         raise FilterCorruptError(name, f"{first.key}: {problem}")
     layout = unpack_header(first.header).layout
     for n, sub in enumerate(subs[: layout.subfilters]):
-        problem = _string_problem(sub, n, first.header, layout)
-        if problem:
+        if problem := _string_problem(sub, n, first.header, layout):
             raise FilterCorruptError(name, f"{sub.key}: {problem}")
     return layout

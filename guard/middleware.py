@@ -49,20 +49,18 @@ class GuardMiddleware:
     app is never called. Otherwise the request goes on with `X-Guard: passed`; the decision is
     left in `scope["guard.decision"]` so the app can count false positives.
 
-    A failed lookup (Redis down, the filter's data damaged) lets the request through with
-    `fail_open=True` (`X-Guard: bypassed`: the filter only saves work, the database still
-    answers correctly), else answers 503 with Retry-After. A missing filter is always bypassed:
-    with no filter nothing says a key is absent. After Redis failed, it is left alone for
-    `cooldown` seconds (through `breaker`, which the app may share with its own Redis calls);
-    a damaged filter does not trip the breaker, for Redis itself answers. A failure is logged
-    once per incident (and when it clears), and each failed lookup is reported to `on_failure`
-    with its reason: "unreachable", "damaged" or "error".
+    A failed lookup (Redis down, the filter damaged) lets the request through with
+    `fail_open=True` (`X-Guard: bypassed`: the filter only saves work), else answers 503 with
+    Retry-After. A missing filter is always bypassed: nothing says a key is absent. After Redis
+    failed, it is left alone for `cooldown` seconds (through `breaker`, which the app may share);
+    a damaged filter does not trip the breaker, for Redis answers. A failure is logged once per
+    incident (and when it clears); each failed lookup is reported to `on_failure` with its
+    reason: "unreachable", "damaged" or "error".
 
     While `stale(scope)` says the filter is behind the data it guards (it missed changes, was
-    rolled back, lost its data), it is not asked, for its "absent" could be a row it never
-    got: the request is bypassed or rejected as for a failed lookup, and reported to
-    `on_failure` as "stale". Whoever decides staleness logs its incidents (the middleware only
-    sees requests).
+    rolled back), it is not asked, for its "absent" could be a row it never got: the request
+    is bypassed or rejected as for a failed lookup, and reported as "stale" (whoever decides
+    staleness logs its incidents).
     """
 
     def __init__(

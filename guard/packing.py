@@ -1,11 +1,9 @@
 """Let an asyncio redis-py client pack its commands with hiredis, as the blocking client does.
 
-redis-py's blocking client packs commands with ``hiredis.pack_command`` whenever hiredis is
-installed; its asyncio client (redis-py 8) packs every argument in Python instead, re-joining
-a buffer that grows with each one. A lookup of 100 items is one command of about 600
-arguments, and packing it took two thirds of the service's time on ``POST …/check``
-(cProfile, docs/benchmarks.md). Packing is the same protocol either way: this reuses the
-blocking client's own hiredis packer on the asyncio client's connections.
+redis-py 8's asyncio client packs every argument in Python, re-joining a buffer that grows
+with each one: packing a lookup of 100 items (about 600 arguments) took two thirds of the
+service's time on ``POST …/check`` (cProfile, docs/benchmarks.md). This reuses the blocking
+client's hiredis packer (same protocol) on the asyncio client's connections.
 """
 
 from __future__ import annotations

@@ -66,12 +66,10 @@ def register(client: Any) -> dict[str, Any]:
 
 
 def map_error(exc: ResponseError, filter: str) -> Exception:
-    """Turn a script's error reply into the library's exception, with its fields (or leave
-    the reply as it is). A script can answer only with a string, "GUARD_<CODE> <reason>"
-    (guard/lua/_common.lua: guard_error): this is the one place that reads it."""
+    """The library's exception for a script's error reply (else the reply as it is): the one
+    reader of "GUARD_<CODE> <reason>" (guard/lua/_common.lua: guard_error)."""
     text = str(exc)
-    match = _GUARD_REPLY.search(text)
-    if match:
+    if match := _GUARD_REPLY.search(text):
         code, reason = match.group(1), match.group(2).strip()
         if code == "CORRUPT":
             return FilterCorruptError(filter, reason)
