@@ -41,9 +41,7 @@ def split_cluster_url(url: str) -> tuple[str, list[tuple[str, int]]]:
     netloc, tail = rest[:cut], rest[cut:]
     creds, at, hosts = netloc.rpartition("@")
     nodes: list[tuple[str, int]] = []
-    for part in hosts.split(","):
-        if not part:
-            continue
+    for part in filter(None, hosts.split(",")):
         parsed = urlsplit(f"//{part}")
         if parsed.hostname is None:
             raise InvalidParameterError(f"bad cluster node {part!r}")

@@ -27,17 +27,15 @@ _FIELDS = (
     ("applied", "Q"),  # id of the last database change applied (docs/format.md, "Change feed")
     ("source", "Q"),  # identity of the change log the filter follows
 )  # fmt: skip
-FIELD_AT = {  # each field's byte offset: the size of the fields before it
-    name: struct.calcsize(">" + "".join(code for _, code in _FIELDS[:k]))
-    for k, (name, _) in enumerate(_FIELDS)
-}
+_CODES = ">" + "".join(code for _, code in _FIELDS)  # one character per field
+# Each field's byte offset: the size of the fields before it.
+FIELD_AT = {name: struct.calcsize(_CODES[: k + 1]) for k, (name, _) in enumerate(_FIELDS)}
 # Growth copies sub-filter 0's first COMMON_BYTES into a new sub-filter; the bytes after them
 # are sub-filter 0's alone (0 elsewhere). From RESERVED_AT to HEADER_BYTES: zero.
 SUBFILTERS_AT = FIELD_AT["subfilters"]
 INDEX_AT = FIELD_AT["index"]
 ITEMS_AT = FIELD_AT["items"]
 DELETES_AT = FIELD_AT["deletes"]
-MISSED_AT = FIELD_AT["missed_deletes"]
 ERROR_RATE_AT = FIELD_AT["error_rate"]
 APPLIED_AT = FIELD_AT["applied"]
 SOURCE_AT = FIELD_AT["source"]
@@ -65,9 +63,7 @@ TARGET_LOAD = {1: 0.42, 2: 0.83, 4: 0.94, 8: 0.97}
 SMALL_TABLE_SLOTS = 4096
 SMALL_TABLE_LOAD = {1: 0.35, 2: 0.72, 4: 0.88, 8: 0.93}
 
-_HEADER = struct.Struct(
-    ">" + "".join(code for _, code in _FIELDS) + f"{HEADER_BYTES - RESERVED_AT}x"
-)
+_HEADER = struct.Struct(f"{_CODES}{HEADER_BYTES - RESERVED_AT}x")
 assert _HEADER.size == HEADER_BYTES
 _SIZES = {name: struct.calcsize(code) for name, code in _FIELDS}
 _DIGEST_FIELDS = struct.Struct(">BBBBBHII")  # version, b, f0, step, expansion, kicks, m0, seed
@@ -128,8 +124,7 @@ def allocator_size(nbytes: int) -> int:
     four per doubling): a table sized to fill its class gets the slack as free headroom."""
     if nbytes <= 64:
         return max(8, (nbytes + 7) // 8 * 8)
-    group = 1 << (nbytes - 1).bit_length() - 1  # largest power of two below nbytes
-    step = group // 4
+    step = (1 << (nbytes - 1).bit_length() - 1) // 4  # largest power of two below nbytes, / 4
     return (nbytes + step - 1) // step * step
 
 

@@ -89,7 +89,7 @@ class GuardMiddleware:
         self.breaker = breaker if breaker is not None else RedisBreaker(cooldown)
         self.retry_after = retry_after
         self.on_decision = on_decision
-        self.on_failure = on_failure
+        self.on_failure = on_failure if on_failure is not None else (lambda reason: None)
         self.missing = (FilterNotFoundError,) if missing is None else missing
         self.stale = stale
         self._incident_since: float | None = None
@@ -135,8 +135,7 @@ class GuardMiddleware:
         if self.breaker.open:
             return BYPASSED if self.fail_open else REJECTED
         if self.stale is not None and self.stale(scope):
-            if self.on_failure is not None:
-                self.on_failure(STALE)
+            self.on_failure(STALE)
             return BYPASSED if self.fail_open else REJECTED
         try:
             present = await cf.lookup(key)
@@ -155,8 +154,7 @@ class GuardMiddleware:
         else:
             reason = UNREACHABLE if isinstance(exc, RedisUnreachable) else ERROR
             self.breaker.trip()
-        if self.on_failure is not None:
-            self.on_failure(reason)
+        self.on_failure(reason)
         if reason != self._incident_reason:  # a new incident, or another cause for it
             if self._incident_since is None:
                 self._incident_since = time.monotonic()
