@@ -279,8 +279,7 @@ def _header_problem(header: bytes) -> str | None:
 
 def _string_problem(sub: Stored, n: int, header0: bytes, layout: Layout) -> str | None:
     """What is wrong with sub-filter n's string, or None, once sub-filter 0's header passed
-    _header_problem. Sub-filter n >= 1's header is sub-filter 0's first COMMON_BYTES with its
-    own index and item count, its other counters zero, then zeros."""
+    _header_problem."""
     header = sub.header
     if n:
         if len(header) < HEADER_BYTES or _field(header, "magic") != MAGIC:
@@ -288,16 +287,13 @@ def _string_problem(sub: Stored, n: int, header0: bytes, layout: Layout) -> str 
         count, index = header[SUBFILTERS_AT], header[INDEX_AT]
         if count != n or index != n:
             return f"holds sub-filter count {count} and index {index}, expected {n}"
-        same = (
-            slice(0, SUBFILTERS_AT),
-            slice(INDEX_AT + 1, ITEMS_AT),
-            slice(ERROR_RATE_AT, COMMON_BYTES),
-        )
-        if (
-            any(header[part] != header0[part] for part in same)
-            or any(header[DELETES_AT:ERROR_RATE_AT])
-            or any(header[COMMON_BYTES:HEADER_BYTES])
-        ):
+        # Growth's copy: sub-filter 0's first COMMON_BYTES with count and index n, its own item
+        # count, the other counters zero; then zeros where sub-filter 0 has its own bytes.
+        grown = bytearray(header0[:COMMON_BYTES]) + bytes(HEADER_BYTES - COMMON_BYTES)
+        grown[SUBFILTERS_AT] = grown[INDEX_AT] = n
+        grown[ITEMS_AT:DELETES_AT] = header[ITEMS_AT:DELETES_AT]
+        grown[DELETES_AT:ERROR_RATE_AT] = bytes(ERROR_RATE_AT - DELETES_AT)
+        if header != grown:
             return "header disagrees with sub-filter 0's"
     items = _field(header, "items")
     slots = layout.buckets(n) * layout.bucket_size
