@@ -167,16 +167,3 @@ def min_error_rate(bucket_size: int, growing: bool) -> float:
     answers a false "maybe" with probability up to 2b / 2^f (layout.fp_bits_for), and a
     growing filter spends one more bit on its series of sub-filters. A power of two, exact."""
     return math.ldexp(2 * bucket_size, (1 if growing else 0) - layout.MAX_FP_BITS)
-
-
-__all__ = [
-    "APPLIED",
-    "DEFAULTS",
-    "EITHER",
-    "FIELDS",
-    "SOURCE",
-    "FilterParams",
-    "Limit",
-    "Spec",
-    "min_error_rate",
-]
