@@ -66,7 +66,6 @@ SEARCH_BUDGET = 1 << 18  # buckets a sub-filter's searches visit (a second): ove
 
 # str/bytes items or batches of them (lists, tuples: a database cursor's); async on asyncio.
 Items = Iterable[Any] | AsyncIterable[Any]
-_END = object()
 
 
 # -- hashing --------------------------------------------------------------------------------
@@ -85,11 +84,9 @@ class Hashes:
         """Every item of ``items``, or of its batches (the first says which), CHUNK_ITEMS at a
         time; batches are flattened in C, and no item is looked at in Python."""
         it = iter(items)
-        first = next(it, _END)
-        if first is _END:
-            return
-        it = chain([first], it)
-        if isinstance(first, list | tuple):
+        first = list(islice(it, 1))  # [] when there is none
+        it = chain(first, it)
+        if first and isinstance(first[0], list | tuple):
             it = chain.from_iterable(it)
         while chunk := list(islice(it, CHUNK_ITEMS)):
             self.add(chunk)
@@ -180,8 +177,6 @@ class _Table:
             index = partial(np.searchsorted, ids)
         homeless, _ = self.claim(ids, i1)
         homeless, _ = self.claim(homeless, i2[index(homeless)])
-        if not len(homeless):
-            return homeless
         # No more walkers than free slots: the others have no slot to reach in this table.
         free = self.m * self.b - self.items
         ids, aside = homeless[:free], homeless[free:]
@@ -243,9 +238,7 @@ class _Placement:
         m = self.layout.buckets(len(self.tables))
         table = _Table(m, self.layout.bucket_size, self.dtype)
         self.tables.append(table)
-        i1, i2 = self._buckets(ids, m)
-        homeless = table.place(ids, i1, i2, self._rng)
-        del i1, i2, ids
+        homeless = table.place(ids, *self._buckets(ids, m), self._rng)
         if 0 < len(homeless) <= SEARCH_ITEMS:
             self._budget = SEARCH_BUDGET
             left = [x for x in homeless.tolist() if not self._search(x)]

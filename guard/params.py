@@ -114,8 +114,7 @@ class FilterParams:
     def of(cls, capacity: int | FilterParams, **options: Any) -> FilterParams:
         """``reserve()``'s arguments: a capacity and options, or FilterParams (and changes)."""
         # A misspelt option used to be ignored: reserve(100, bucket_sise=2) made bucket size 4.
-        unknown = sorted(set(options) - set(FIELDS))
-        if unknown:
+        if unknown := sorted(set(options) - set(FIELDS)):
             raise InvalidParameterError(
                 f"unknown reserve option(s) {', '.join(unknown)}; "
                 f"it accepts {', '.join(n for n in FIELDS if n != 'capacity')}",

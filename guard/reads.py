@@ -37,8 +37,7 @@ _H_MASK, _G_MASK, _mix = hashing.H_MASK, hashing.G_MASK, hashing.mix
 
 class TagMismatch(Exception):
     """A sub-filter's tag is not the one the handle's layout predicts: the filter grew or was
-    replaced (the handle is stale), or the key is gone or damaged. Only a full header check (a
-    script) can tell which."""
+    replaced (a stale handle), or the key is gone or damaged; only a script's header check knows."""
 
     def __init__(self, key: str) -> None:
         super().__init__(f"tag mismatch in {key}")
@@ -80,8 +79,8 @@ class _Subfilter:
 
     def holds(self, values: Sequence[int], fp: int) -> bool:
         """Whether either bucket's reads (both buckets', in order) hold ``fp``."""
-        # The zero-lane test of _evaluate_vector on Python ints: a borrow out of the top lane
-        # only reaches bits that ``hi`` masks off, as in numpy's wrapping uint64.
+        # evaluate's zero-lane test on Python ints: a borrow out of the top lane only reaches
+        # bits that ``hi`` masks off, as in numpy's wrapping uint64.
         for (lo, hi), v in zip(self._both_lanes, values, strict=True):
             x = (v % _U64) ^ (fp * lo)
             if (x - lo) & ~x & hi:
@@ -206,7 +205,20 @@ class ReadPlan:
             if reply[0] != self.subfilters[cmd.subfilter].tag:
                 raise TagMismatch(str(cmd.args[0]))
         if self.vector:
-            return self._evaluate_vector(replies)
+            # A read holds fp iff some slot of (read XOR fp in every slot) is zero; the classic
+            # zero-lane test, (x - lo) & ~x & hi != 0, answers that exactly for all slots at once.
+            hits = np.zeros(self.count, dtype=bool)
+            for cmd, reply in zip(self.commands, replies, strict=True):
+                sub = self.subfilters[cmd.subfilter]
+                start, stop = cmd.items[0], cmd.items[-1] + 1
+                values = np.array(reply[1:], dtype=np.int64).view(np.uint64)
+                values = values.reshape(stop - start, 2, len(sub.parts))
+                fps = self._fps[cmd.subfilter][start:stop].astype(np.uint64)
+                for j, (lo, hi) in enumerate(sub.lanes):
+                    x = values[:, :, j] ^ (fps * np.uint64(lo))[:, None]
+                    hit = (x - np.uint64(lo)) & ~x & np.uint64(hi)
+                    hits[start:stop] |= (hit != 0).any(axis=1)
+            return hits.tolist()  # type: ignore[no-any-return]
         found = [False] * self.count
         for cmd, reply in zip(self.commands, replies, strict=True):
             sub = self.subfilters[cmd.subfilter]
@@ -217,19 +229,3 @@ class ReadPlan:
                     found[k] = sub.holds(reply[pos : pos + width], fp)
                 pos += width
         return found
-
-    def _evaluate_vector(self, replies: Sequence[Sequence[int]]) -> list[bool]:
-        # A read holds fp iff some slot of (read XOR fp in every slot) is zero; the classic
-        # zero-lane test, (x - lo) & ~x & hi != 0, answers that exactly for all slots at once.
-        found = np.zeros(self.count, dtype=bool)
-        for cmd, reply in zip(self.commands, replies, strict=True):
-            sub = self.subfilters[cmd.subfilter]
-            start, stop = cmd.items[0], cmd.items[-1] + 1
-            values = np.array(reply[1:], dtype=np.int64).view(np.uint64)
-            values = values.reshape(stop - start, 2, len(sub.parts))
-            fp = self._fps[cmd.subfilter][start:stop].astype(np.uint64)
-            for j, (lo, hi) in enumerate(sub.lanes):
-                x = values[:, :, j] ^ (fp * np.uint64(lo))[:, None]
-                hit = (x - np.uint64(lo)) & ~x & np.uint64(hi)
-                found[start:stop] |= (hit != 0).any(axis=1)
-        return found.tolist()
