@@ -68,9 +68,6 @@ SEARCH_BUDGET = 1 << 18  # buckets a sub-filter's searches visit (a second): ove
 Items = Iterable[Any] | AsyncIterable[Any]
 
 
-# -- hashing --------------------------------------------------------------------------------
-
-
 class Hashes:
     """The input reduced to what placement needs: per shard, ``h`` (int64) and ``g`` (uint32)
     of every item, in input order."""
@@ -272,16 +269,14 @@ class _Placement:
         return out
 
     def _search(self, item: int) -> bool:
-        """Place ``item`` by the shortest chain of moves that ends in a free slot of any
-        sub-filter, if a breadth-first search finds one within the budget (module docstring)."""
+        """Place ``item`` if a breadth-first search finds its chain in budget (module docstring)."""
         came: dict[tuple[int, int], tuple[tuple[int, int], int] | None]
         came = dict.fromkeys(self._nodes(item))
         queue = deque(came)
         tables, b = self.tables, self.layout.bucket_size
         while queue and self._budget > 0:
             self._budget -= 1
-            node = queue.popleft()
-            n, i = node
+            n, i = node = queue.popleft()
             if tables[n].fill[i] < b:
                 slot = int(tables[n].fill[i])
                 tables[n].fill[i] += 1
@@ -303,9 +298,8 @@ class _Placement:
 
 def pack_slots(values: np.ndarray, fp_bits: int) -> bytes:
     """Slots as docs/format.md lays them out: ``fp_bits``-bit unsigned big-endian integers,
-    bit-packed from the first bit (what ``BITFIELD GET u<f>`` reads), zero bits at the end.
-    Each group of slots that ends on a byte (8 / gcd(f, 8) of them) is shifted into a few
-    64-bit words, whole arrays at once; the words' bytes are the group's bytes."""
+    bit-packed from the first bit (what ``BITFIELD GET u<f>`` reads), zero bits at the end;
+    each group of slots that ends on a byte is shifted into 64-bit words, whole arrays at once."""
     f = fp_bits
     if f in (8, 16, 32):
         return values.astype(f">u{f // 8}").tobytes()
@@ -468,11 +462,9 @@ def upload_op(key: Callable[[int], str], built: BuiltFilter) -> Op[None]:
     for n in reversed(range(len(built.strings))):
         data = memoryview(built.strings[n])
         tag_at = len(data) - TAG_BYTES
-        pieces = [(tag_at, data[tag_at:])]
-        pieces += [(at, data[at : min(at + UPLOAD_BYTES, tag_at)])
-                   for at in range(HEADER_BYTES, tag_at, UPLOAD_BYTES)]  # fmt: skip
-        pieces.append((0, data[:HEADER_BYTES]))
-        for at, piece in pieces:
+        table = [(at, data[at : min(at + UPLOAD_BYTES, tag_at)])
+                 for at in range(HEADER_BYTES, tag_at, UPLOAD_BYTES)]  # fmt: skip
+        for at, piece in [(tag_at, data[tag_at:]), *table, (0, data[:HEADER_BYTES])]:
             calls.append(Command("SETRANGE", [key(n), at, piece]))
             size += len(piece)
             if size >= PIPELINE_BYTES:

@@ -138,8 +138,7 @@ class SingleRead:
         return [key, get, tag_kind, tag_bit, *gets(at1), *gets(at2)], fp
 
     def holds(self, reply: Sequence[int], fp: int) -> bool:
-        """Whether the reply's buckets hold ``fp``; its tag (``reply[0]``) is checked first by
-        the caller, against ``tag``."""
+        """Whether the reply's buckets hold ``fp``; the caller checks its tag, ``reply[0]``."""
         if self._lanes is None:
             return self._sub.holds(reply[1:], fp)
         lo, hi = self._lanes
