@@ -13,16 +13,15 @@ Placement, per sub-filter, on a table of item numbers:
    free slot of its current bucket, else a random one, whose item moves on to its other bucket
    (placed items never leave their two buckets; the homeless are held, never lost);
 4. **search**: the few a walk leaves (at most SEARCH_ITEMS), one by one along the shortest
-   chain of moves that ends in a free slot of any sub-filter so far (lookups and deletes read
-   them all). As in Kuhn's matching algorithm, a search within its budget misses no chain: the
-   build fits every item whenever any arrangement in as many sub-filters does, never fewer
-   than one-by-one inserts.
+   chain of moves ending in a free slot of any sub-filter so far (lookups read them all). As in
+   Kuhn's matching algorithm, a search within its budget misses no chain: the build fits every
+   item whenever any arrangement in as many sub-filters does.
 
-The rest go to the next sub-filter of a growing filter, as insert.lua's growth makes it; one
-that cannot grow raises FilterFullError before anything is written, as the scripts would (the
-margin of guard/layout.py:buckets_for makes it rare). Promote refuses a staging copy that is not
-whole (upload_op) or, when the build creates the filter, a live filter made meanwhile; a failure
-anywhere leaves the live filter untouched and deletes the staging copy.
+The rest go to the next sub-filter of a growing filter, as insert.lua grows it; one that
+cannot grow raises FilterFullError before anything is written, as the scripts would (rare, with
+guard/layout.py:buckets_for's margin). Promote refuses a staging copy that is not whole
+(upload_op) or, when the build creates the filter, a live filter made meanwhile; any failure
+leaves the live filter untouched and deletes the staging copy.
 """
 
 from __future__ import annotations
@@ -67,10 +66,6 @@ SEARCH_BUDGET = 1 << 18  # buckets a sub-filter's searches visit (a second): ove
 
 # str/bytes items or batches of them (lists, tuples: a database cursor's); async on asyncio.
 Items = Iterable[Any] | AsyncIterable[Any]
-_END = object()
-
-
-# -- hashing --------------------------------------------------------------------------------
 
 
 class Hashes:
@@ -86,17 +81,14 @@ class Hashes:
         """Every item of ``items``, or of its batches (the first says which), CHUNK_ITEMS at a
         time; batches are flattened in C, and no item is looked at in Python."""
         it = iter(items)
-        first = next(it, _END)
-        if first is _END:
-            return
-        it = chain([first], it)
-        if isinstance(first, list | tuple):
+        first = list(islice(it, 1))  # [] when there is none
+        it = chain(first, it)
+        if first and isinstance(first[0], list | tuple):
             it = chain.from_iterable(it)
         while chunk := list(islice(it, CHUNK_ITEMS)):
             self.add(chunk)
 
     def add(self, chunk: list[Any]) -> None:
-        # One digest per item gives h, g and (sharded) the shard: hashing.item_hashes.
         rows = hashing.item_hashes(chunk, self.seed, self.shards if self.shards > 1 else 0)
         self.count += len(chunk)
         parts: list[Any] = [slice(None)]
@@ -118,10 +110,7 @@ async def _achunks(items: AsyncIterable[Any]) -> AsyncIterator[list[Any]]:
     """An async iterable's items, or its batches' items, in lists of CHUNK_ITEMS or so."""
     pending: list[Any] = []
     async for x in items:
-        if isinstance(x, list | tuple):
-            pending.extend(x)
-        else:
-            pending.append(x)
+        pending += x if isinstance(x, list | tuple) else (x,)
         if len(pending) >= CHUNK_ITEMS:
             yield pending
             pending = []
@@ -167,8 +156,6 @@ class _Table:
                 full_ids.append(ids[~is_open])
                 full_buckets.append(bucket[~is_open])
                 ids, bucket = ids[is_open], bucket[is_open]
-                if not len(ids):
-                    break
             won = self._won(ids, bucket)
             at = bucket[won]
             self.owner[at * b + self.fill[at]] = ids[won]
@@ -187,8 +174,6 @@ class _Table:
             index = partial(np.searchsorted, ids)
         homeless, _ = self.claim(ids, i1)
         homeless, _ = self.claim(homeless, i2[index(homeless)])
-        if not len(homeless):
-            return homeless
         # No more walkers than free slots: the others have no slot to reach in this table.
         free = self.m * self.b - self.items
         ids, aside = homeless[:free], homeless[free:]
@@ -240,25 +225,21 @@ class _Placement:
 
     def __init__(self, h: np.ndarray, g: np.ndarray, layout: Layout) -> None:
         self.h, self.g, self.layout, self.tables = h, g, layout, list[_Table]()
-        self._dtype = np.int32 if len(h) < 2**31 else np.int64
+        self.dtype = np.int32 if len(h) < 2**31 else np.int64  # of item numbers
         self._rng = np.random.default_rng([layout.seed, len(h)])  # a build is reproducible
         self._budget = 0  # buckets the searches may still visit
 
-    def add_subfilter(self, ids: np.ndarray | None) -> np.ndarray:
-        """Add the next sub-filter and place the items ``ids`` (ascending; None: all) in it,
-        then search every sub-filter for the few a walk leaves. Returns those still homeless."""
+    def add_subfilter(self, ids: np.ndarray) -> np.ndarray:
+        """Add the next sub-filter and place the items ``ids`` (ascending) in it, then search
+        every sub-filter for the few a walk leaves. Returns those still homeless."""
         m = self.layout.buckets(len(self.tables))
-        table = _Table(m, self.layout.bucket_size, self._dtype)
+        table = _Table(m, self.layout.bucket_size, self.dtype)
         self.tables.append(table)
-        if ids is None:
-            ids = np.arange(len(self.h), dtype=self._dtype)
-        i1, i2 = self._buckets(ids, m)
-        homeless = table.place(ids, i1, i2, self._rng)
-        del i1, i2, ids
+        homeless = table.place(ids, *self._buckets(ids, m), self._rng)
         if 0 < len(homeless) <= SEARCH_ITEMS:
             self._budget = SEARCH_BUDGET
             left = [x for x in homeless.tolist() if not self._search(x)]
-            homeless = np.array(left, dtype=self._dtype)
+            homeless = np.array(left, dtype=self.dtype)
         return np.sort(homeless)
 
     def _buckets(self, ids: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -288,16 +269,14 @@ class _Placement:
         return out
 
     def _search(self, item: int) -> bool:
-        """Place ``item`` by the shortest chain of moves that ends in a free slot of any
-        sub-filter, if a breadth-first search finds one within the budget (module docstring)."""
+        """Place ``item`` if a breadth-first search finds its chain in budget (module docstring)."""
         came: dict[tuple[int, int], tuple[tuple[int, int], int] | None]
         came = dict.fromkeys(self._nodes(item))
         queue = deque(came)
         tables, b = self.tables, self.layout.bucket_size
         while queue and self._budget > 0:
             self._budget -= 1
-            node = queue.popleft()
-            n, i = node
+            n, i = node = queue.popleft()
             if tables[n].fill[i] < b:
                 slot = int(tables[n].fill[i])
                 tables[n].fill[i] += 1
@@ -319,9 +298,8 @@ class _Placement:
 
 def pack_slots(values: np.ndarray, fp_bits: int) -> bytes:
     """Slots as docs/format.md lays them out: ``fp_bits``-bit unsigned big-endian integers,
-    bit-packed from the first bit (what ``BITFIELD GET u<f>`` reads), zero bits at the end.
-    Each group of slots that ends on a byte (8 / gcd(f, 8) of them) is shifted into a few
-    64-bit words, whole arrays at once; the words' bytes are the group's bytes."""
+    bit-packed from the first bit (what ``BITFIELD GET u<f>`` reads), zero bits at the end;
+    each group of slots that ends on a byte is shifted into 64-bit words, whole arrays at once."""
     f = fp_bits
     if f in (8, 16, 32):
         return values.astype(f">u{f // 8}").tobytes()
@@ -371,15 +349,14 @@ def build(h: np.ndarray, g: np.ndarray, layout: Layout, header: bytes, *, name: 
     for a in range(0, len(g), CHUNK_ITEMS):  # in place, a slice at a time: temporaries in cache
         g[a : a + CHUNK_ITEMS] = hashing.fix_g(g[a : a + CHUNK_ITEMS], layout.fp_bits)
     placement = _Placement(h, g, layout)
-    homeless = placement.add_subfilter(None)
-    while len(homeless):
+    homeless = np.arange(len(h), dtype=placement.dtype)  # every item, for sub-filter 0
+    while len(homeless := placement.add_subfilter(homeless)):
         if problem := _growth_problem(layout, len(placement.tables)):
             raise FilterFullError(
                 f"filter {name!r} is full: {len(homeless):,} of {len(h):,} items do not fit "
                 f"({problem}); nothing was written. Give a larger capacity or an expansion",
                 filter=name,
             )
-        homeless = placement.add_subfilter(homeless)
     tables = placement.tables
     del placement, h, homeless
     layout = replace(layout, subfilters=len(tables))
@@ -405,7 +382,6 @@ class Target(NamedTuple):
     keep_seed: Callable[[], Op[int | None]] | None = None  # the live filter's, if it has one
 
     def params(self, made: FilterParams, total: int, seed: int | None) -> FilterParams:
-        """One part's parameters, for a ``total`` capacity."""
         return replace(made, capacity=self.share(total) if self.share else total, seed=seed)
 
 
@@ -486,11 +462,9 @@ def upload_op(key: Callable[[int], str], built: BuiltFilter) -> Op[None]:
     for n in reversed(range(len(built.strings))):
         data = memoryview(built.strings[n])
         tag_at = len(data) - TAG_BYTES
-        pieces = [(tag_at, data[tag_at:])]
-        pieces += [(at, data[at : min(at + UPLOAD_BYTES, tag_at)])
-                   for at in range(HEADER_BYTES, tag_at, UPLOAD_BYTES)]  # fmt: skip
-        pieces.append((0, data[:HEADER_BYTES]))
-        for at, piece in pieces:
+        table = [(at, data[at : min(at + UPLOAD_BYTES, tag_at)])
+                 for at in range(HEADER_BYTES, tag_at, UPLOAD_BYTES)]  # fmt: skip
+        for at, piece in [(tag_at, data[tag_at:]), *table, (0, data[:HEADER_BYTES])]:
             calls.append(Command("SETRANGE", [key(n), at, piece]))
             size += len(piece)
             if size >= PIPELINE_BYTES:

@@ -25,8 +25,7 @@ Hashes = list[tuple[int, int]] | np.ndarray  # (h, g) per item: tuples, or an (n
 # about 12 items, measured; one item: 0.6 us as ints, 6.6 us through an array).
 VECTOR_MIN = 16
 
-H_BITS = 52
-H_MASK = (1 << H_BITS) - 1
+H_MASK = (1 << 52) - 1
 G_MASK = 0xFFFFFFFF
 # A Mersenne prime: products below 2**53 reduced by it stay exact in Lua's doubles.
 P31 = 2147483647
@@ -48,27 +47,23 @@ def item_hash(item: str | bytes, seed: int) -> tuple[int, int]:
 
 def item_hashes(items: Sequence[str | bytes], seed: int, shards: int = 0) -> np.ndarray:
     """``item_hash`` of many items at once: an ``(n, 2)`` int64 array of ``(h, g)`` rows, and
-    with ``shards`` a third column, each item's ``shard_of`` (a bulk build splits by it). The
-    16-byte digest is the same hash, little-endian (``h`` in its first word, ``g`` and the
-    shard bits in its second): one C call per item and masking whole arrays cost a third of
-    ``item_hash``'s Python-level bit operations."""
-    words = np.frombuffer(_digests(items, seed), dtype="<u8").reshape(-1, 2)
+    with ``shards`` a third column, each item's ``shard_of`` (a bulk build splits by it). One C
+    call per item gives the same hash as a little-endian digest (``h`` in its first word, ``g``
+    and the shard bits in its second), masked as whole arrays: a third of ``item_hash``'s cost."""
+    digest = mmh3.mmh3_x64_128_digest
+    try:
+        data = b"".join(map(digest, items, repeat(seed)))
+    except TypeError:  # the digest takes bytes only: str items are UTF-8 encoded first
+        try:
+            encoded = list(map(str.encode, cast("Sequence[str]", items)))  # all str: fastest
+        except TypeError:
+            encoded = [to_bytes(x) for x in items]  # mixed; anything else is refused here
+        data = b"".join(map(digest, encoded, repeat(seed)))
+    words = np.frombuffer(data, dtype="<u8").reshape(-1, 2)
     rows = words & np.array([H_MASK, G_MASK], dtype=np.uint64)
     if shards:
         rows = np.column_stack([rows, (words[:, 1] >> np.uint64(32)) % np.uint64(shards)])
     return rows.astype(np.int64)
-
-
-def _digests(items: Sequence[str | bytes], seed: int) -> bytes:
-    digest = mmh3.mmh3_x64_128_digest
-    try:
-        return b"".join(map(digest, items, repeat(seed)))
-    except TypeError:  # the digest takes bytes only: str items are UTF-8 encoded first
-        try:
-            data = list(map(str.encode, cast("Sequence[str]", items)))  # all str: fastest
-        except TypeError:
-            data = [to_bytes(x) for x in items]  # mixed; anything else is refused here
-        return b"".join(map(digest, data, repeat(seed)))
 
 
 def hash_batch(items: Sequence[bytes], seed: int) -> Hashes:
@@ -86,11 +81,9 @@ def flat(hashes: Hashes) -> list[int]:
 
 
 def fix_g(g: Ints, f0: int) -> Ints:
-    """Force the top ``f0`` bits of ``g`` to be non-zero.
-
-    Every sub-filter's fingerprint is a prefix of the same ``g``, so a fingerprint is never 0
-    (0 marks an empty slot) and a match in a wide sub-filter implies a match in every narrower one.
-    """
+    """Force the top ``f0`` bits of ``g`` to be non-zero: every sub-filter's fingerprint is a
+    prefix of the same ``g``, so none is 0 (0 marks an empty slot), and a match in a wide
+    sub-filter implies a match in every narrower one."""
     low = 1 << (32 - f0)  # the lowest g whose top f0 bits are not all 0
     return g + (g < low) * low
 
@@ -122,9 +115,6 @@ def alt_bucket(i: Ints, prefix: Ints, m: int) -> Ints:
 
 
 def shard_of(item: bytes, seed: int, shards: int) -> int:
-    """The shard of an item in a sharded filter: bits 96..127 of the same hash.
-
-    Those bits are neither ``h`` (0..51) nor ``g`` (64..95), so the shard says nothing about
-    the buckets or the fingerprint an item gets inside its shard.
-    """
+    """The shard of an item in a sharded filter: bits 96..127 of the same hash, neither ``h``
+    (0..51) nor ``g`` (64..95), so it says nothing of the item's buckets or fingerprint there."""
     return (mmh3.hash128(item, seed, signed=False) >> 96) % shards

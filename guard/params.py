@@ -114,8 +114,7 @@ class FilterParams:
     def of(cls, capacity: int | FilterParams, **options: Any) -> FilterParams:
         """``reserve()``'s arguments: a capacity and options, or FilterParams (and changes)."""
         # A misspelt option used to be ignored: reserve(100, bucket_sise=2) made bucket size 4.
-        unknown = sorted(set(options) - set(FIELDS))
-        if unknown:
+        if unknown := sorted(set(options) - set(FIELDS)):
             raise InvalidParameterError(
                 f"unknown reserve option(s) {', '.join(unknown)}; "
                 f"it accepts {', '.join(n for n in FIELDS if n != 'capacity')}",
@@ -167,16 +166,3 @@ def min_error_rate(bucket_size: int, growing: bool) -> float:
     answers a false "maybe" with probability up to 2b / 2^f (layout.fp_bits_for), and a
     growing filter spends one more bit on its series of sub-filters. A power of two, exact."""
     return math.ldexp(2 * bucket_size, (1 if growing else 0) - layout.MAX_FP_BITS)
-
-
-__all__ = [
-    "APPLIED",
-    "DEFAULTS",
-    "EITHER",
-    "FIELDS",
-    "SOURCE",
-    "FilterParams",
-    "Limit",
-    "Spec",
-    "min_error_rate",
-]

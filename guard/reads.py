@@ -13,9 +13,8 @@ allows: the tag in one 64-bit word, a bucket in as few reads as hold whole slots
 (one for b=4, f=16). Two bucket reads per item are why a batched lookup costs Redis several
 times what a native module's CF.MEXISTS does.
 
-Batches are planned and checked with numpy (per item, Python arithmetic and slot loops cost
-several times what Redis spends answering), small ones in plain Python (numpy's fixed cost per
-call would dominate): a plan takes the form its hashes come in (hashing.hash_batch).
+A plan takes the form its hashes come in (hashing.hash_batch): batches are planned and checked
+with numpy, where per-item Python would cost several times what Redis spends answering.
 """
 
 from __future__ import annotations
@@ -38,46 +37,11 @@ _H_MASK, _G_MASK, _mix = hashing.H_MASK, hashing.G_MASK, hashing.mix
 
 class TagMismatch(Exception):
     """A sub-filter's tag is not the one the handle's layout predicts: the filter grew or was
-    replaced (the handle is stale), or the key is gone or damaged. Only a full header check (a
-    script) can tell which."""
+    replaced (a stale handle), or the key is gone or damaged; only a script's header check knows."""
 
     def __init__(self, key: str) -> None:
         super().__init__(f"tag mismatch in {key}")
         self.key = key
-
-
-class _BucketReads:
-    """How one bucket of a sub-filter is read: (first slot, slots, bits) per GET."""
-
-    def __init__(self, bucket_size: int, fp_bits: int) -> None:
-        f, per_read = fp_bits, max(1, min(bucket_size, 64 // fp_bits))
-        self.fp_bits = f
-        self.parts = tuple(
-            (s, min(per_read, bucket_size - s), min(per_read, bucket_size - s) * f)
-            for s in range(0, bucket_size, per_read)
-        )
-        # u64 does not exist (unsigned tops out at 63 bits): read i64, fix the sign on use.
-        self._reads = [("GET", "i64" if n == 64 else f"u{n}", s * f) for s, _, n in self.parts]
-        # Per read, (lo, hi): a 1 in the lowest, and in the highest, bit of every slot.
-        lows = [sum(1 << (j * f) for j in range(count)) for _, count, _ in self.parts]
-        self.lanes = [(lo, lo << (f - 1)) for lo in lows]
-        self._both_lanes = self.lanes * 2
-
-    def gets(self, bucket_bit: int) -> list[object]:
-        out: list[object] = []
-        for get, kind, start in self._reads:
-            out += (get, kind, bucket_bit + start)
-        return out
-
-    def holds(self, values: Sequence[int], fp: int) -> bool:
-        """Whether either bucket's reads (both buckets', in order) hold ``fp``."""
-        # The zero-lane test of _evaluate_vector on Python ints: a borrow out of the top lane
-        # only reaches bits that ``hi`` masks off, as in numpy's wrapping uint64.
-        for (lo, hi), v in zip(self._both_lanes, values, strict=True):
-            x = (v % _U64) ^ (fp * lo)
-            if (x - lo) & ~x & hi:
-                return True
-        return False
 
 
 @dataclass
@@ -89,41 +53,60 @@ class _Command:
 
 
 class _Subfilter:
-    """What reading sub-filter ``n`` takes, derived from the layout alone."""
+    """How sub-filter ``n`` is read, derived from the layout alone: its tag, and each bucket
+    as ``parts``, (first slot, slots, bits) per GET."""
 
     def __init__(self, layout: Layout, n: int) -> None:
-        self.reads = _BucketReads(layout.bucket_size, layout.fp_bits_at(n))
+        b, f = layout.bucket_size, layout.fp_bits_at(n)
+        per_read = max(1, min(b, 64 // f))
+        self.fp_bits, self.buckets = f, layout.buckets(n)
         self.tag = int.from_bytes(layout.tag(n), "big", signed=True)  # as BITFIELD's i64 reads it
         self.tag_read = ("GET", "i64", (layout.string_bytes(n) - TAG_BYTES) * 8)
-        self.buckets = layout.buckets(n)
+        self.parts = tuple(
+            (s, min(per_read, b - s), min(per_read, b - s) * f) for s in range(0, b, per_read)
+        )
         # Items per read command: at most MAX_GETS reads in one, the tag's among them.
-        self.per_command = max(1, (MAX_GETS - 1) // (2 * len(self.reads.parts)))
+        self.per_command = max(1, (MAX_GETS - 1) // (2 * len(self.parts)))
+        # u64 does not exist (unsigned tops out at 63 bits): read i64, fix the sign on use.
+        self._reads = [("GET", "i64" if w == 64 else f"u{w}", s * f) for s, _, w in self.parts]
+        # Per read, (lo, hi): a 1 in the lowest, and in the highest, bit of every slot.
+        lows = [sum(1 << (j * f) for j in range(count)) for _, count, _ in self.parts]
+        self.lanes = [(lo, lo << (f - 1)) for lo in lows]
+        self._both_lanes = self.lanes * 2
+
+    def gets(self, bucket_bit: int) -> list[object]:
+        return [x for get, kind, start in self._reads for x in (get, kind, bucket_bit + start)]
+
+    def holds(self, values: Sequence[int], fp: int) -> bool:
+        """Whether either bucket's reads (both buckets', in order) hold ``fp``."""
+        # evaluate's zero-lane test on Python ints: a borrow out of the top lane only reaches
+        # bits that ``hi`` masks off, as in numpy's wrapping uint64.
+        for (lo, hi), v in zip(self._both_lanes, values, strict=True):
+            x = (v % _U64) ^ (fp * lo)
+            if (x - lo) & ~x & hi:
+                return True
+        return False
 
 
 @lru_cache(maxsize=256)  # a handle holds one layout at a time; a service has a few handles
 def _per_subfilter(layout: Layout) -> tuple[_Subfilter, ...]:
-    """Worked out once per layout, not once per lookup."""
     return tuple(_Subfilter(layout, n) for n in range(layout.subfilters))
 
 
 class SingleRead:
-    """One item's lookup in a filter of one sub-filter, the most frequent read of all (a web
-    request's): ReadPlan's command for it, with hashing.py's arithmetic written out inline
-    (the tests compare both). A handle keeps one per layout; ``command`` and ``holds`` are
-    the only Python calls such a lookup makes beyond the driver's, where ReadPlan's general
-    planning would cost more than Redis and the client library spend on it.
-    """
+    """One item's lookup in a filter of one sub-filter, the most frequent read (a web request's):
+    ReadPlan's command, with hashing.py's arithmetic inline (the tests compare both). A handle
+    keeps one per layout; ``command`` and ``holds`` are all the Python such a lookup runs beyond
+    the driver, where ReadPlan's planning would cost more than Redis and the client spend."""
 
     def __init__(self, layout: Layout) -> None:
         if layout.subfilters != 1:
             raise ValueError("a single read is for a filter of one sub-filter")
         sub = _per_subfilter(layout)[0]
-        self.layout = layout
-        self.tag = sub.tag
-        self._reads = sub.reads
+        self.layout, self.tag, self._sub = layout, sub.tag, sub
         f = layout.fp_bits
         # One read per bucket (b * f <= 64: b=4 with f=16, say): its type; else None.
-        kind = sub.reads._reads[0][1] if len(sub.reads.parts) == 1 else None
+        kind = sub._reads[0][1] if len(sub.parts) == 1 else None
         # Everything command() needs, unpacked in one step (attribute loads add up here).
         self._consts = (
             layout.seed,
@@ -135,7 +118,7 @@ class SingleRead:
             kind,
             *sub.tag_read,
         )
-        self._lanes = sub.reads.lanes[0] if kind is not None else None
+        self._lanes = sub.lanes[0] if kind is not None else None
 
     def command(self, key: str, item: bytes) -> tuple[list[object], int]:
         """The read command's arguments (after its name), and the item's fingerprint."""
@@ -151,14 +134,13 @@ class SingleRead:
         at2 = base + i2 * bucket_bits
         if kind is not None:
             return [key, get, tag_kind, tag_bit, "GET", kind, at1, "GET", kind, at2], fp
-        gets = self._reads.gets
+        gets = self._sub.gets
         return [key, get, tag_kind, tag_bit, *gets(at1), *gets(at2)], fp
 
     def holds(self, reply: Sequence[int], fp: int) -> bool:
-        """Whether the reply's buckets hold ``fp``; its tag (``reply[0]``) is checked first by
-        the caller, against ``tag``."""
+        """Whether the reply's buckets hold ``fp``; the caller checks its tag, ``reply[0]``."""
         if self._lanes is None:
-            return self._reads.holds(reply[1:], fp)
+            return self._sub.holds(reply[1:], fp)
         lo, hi = self._lanes
         want = fp * lo
         x = (reply[1] % _U64) ^ want
@@ -187,8 +169,8 @@ class ReadPlan:
             h, g = [x for x, _ in hashes], [hashing.fix_g(x, f0) for _, x in hashes]
             mixed = [hashing.mix(hashing.fingerprint(x, f0)) for x in g]
         for n, sub in enumerate(self.subfilters):
-            m, f, reads = sub.buckets, sub.reads.fp_bits, sub.reads
-            starts = [start for _, _, start in reads._reads]  # each read's bit in a bucket
+            m, f = sub.buckets, sub.fp_bits
+            starts = [start for _, _, start in sub._reads]  # each read's bit in a bucket
             fps: Any
             if self.vector:
                 i1, i2 = hashing.buckets(h, mixed, m)
@@ -206,7 +188,7 @@ class ReadPlan:
                 ]
             # Per item, both buckets' reads in order, each as (GET, type, bit offset): a
             # repeated template whose every third entry is overwritten by the offsets.
-            unit = reads.gets(0) * 2
+            unit = sub.gets(0) * 2
             flat = unit * self.count
             flat[2::3] = offsets
             per_command, width = sub.per_command, len(unit)
@@ -222,30 +204,27 @@ class ReadPlan:
             if reply[0] != self.subfilters[cmd.subfilter].tag:
                 raise TagMismatch(str(cmd.args[0]))
         if self.vector:
-            return self._evaluate_vector(replies)
+            # A read holds fp iff some slot of (read XOR fp in every slot) is zero; the classic
+            # zero-lane test, (x - lo) & ~x & hi != 0, answers that exactly for all slots at once.
+            hits = np.zeros(self.count, dtype=bool)
+            for cmd, reply in zip(self.commands, replies, strict=True):
+                sub = self.subfilters[cmd.subfilter]
+                start, stop = cmd.items[0], cmd.items[-1] + 1
+                values = np.array(reply[1:], dtype=np.int64).view(np.uint64)
+                values = values.reshape(stop - start, 2, len(sub.parts))
+                fps = self._fps[cmd.subfilter][start:stop].astype(np.uint64)
+                for j, (lo, hi) in enumerate(sub.lanes):
+                    x = values[:, :, j] ^ (fps * np.uint64(lo))[:, None]
+                    hit = (x - np.uint64(lo)) & ~x & np.uint64(hi)
+                    hits[start:stop] |= (hit != 0).any(axis=1)
+            return hits.tolist()  # type: ignore[no-any-return]
         found = [False] * self.count
         for cmd, reply in zip(self.commands, replies, strict=True):
-            reads = self.subfilters[cmd.subfilter].reads
-            width = 2 * len(reads.parts)
+            sub = self.subfilters[cmd.subfilter]
+            width = 2 * len(sub.parts)
             pos = 1
             for k, fp in zip(cmd.items, cmd.fps, strict=True):
                 if not found[k]:
-                    found[k] = reads.holds(reply[pos : pos + width], fp)
+                    found[k] = sub.holds(reply[pos : pos + width], fp)
                 pos += width
         return found
-
-    def _evaluate_vector(self, replies: Sequence[Sequence[int]]) -> list[bool]:
-        # A read holds fp iff some slot of (read XOR fp in every slot) is zero; the classic
-        # zero-lane test, (x - lo) & ~x & hi != 0, answers that exactly for all slots at once.
-        found = np.zeros(self.count, dtype=bool)
-        for cmd, reply in zip(self.commands, replies, strict=True):
-            reads = self.subfilters[cmd.subfilter].reads
-            start, stop = cmd.items[0], cmd.items[-1] + 1
-            values = np.array(reply[1:], dtype=np.int64).view(np.uint64)
-            values = values.reshape(stop - start, 2, len(reads.parts))
-            fp = self._fps[cmd.subfilter][start:stop].astype(np.uint64)
-            for j, (lo, hi) in enumerate(reads.lanes):
-                x = values[:, :, j] ^ (fp * np.uint64(lo))[:, None]
-                hit = (x - np.uint64(lo)) & ~x & np.uint64(hi)
-                found[start:stop] |= (hit != 0).any(axis=1)
-        return found.tolist()

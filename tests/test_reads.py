@@ -29,7 +29,7 @@ def fake_replies(plan: ReadPlan, rng: random.Random) -> list[list[int]]:
     replies = []
     for cmd in plan.commands:
         sub = plan.subfilters[cmd.subfilter]
-        reads = sub.reads
+        reads = sub
         f, width = reads.fp_bits, len(reads.parts)
         reply = [sub.tag]
         for at in range(4, len(cmd.args), 3):
@@ -53,7 +53,7 @@ def decoded_answer(plan: ReadPlan, replies: list[list[int]]) -> list[bool]:
     """Slot by slot, without either planner's checking code."""
     found = [False] * plan.count
     for cmd, reply in zip(plan.commands, replies, strict=True):
-        reads = plan.subfilters[cmd.subfilter].reads
+        reads = plan.subfilters[cmd.subfilter]
         f, width = reads.fp_bits, len(reads.parts)
         fps = cmd.fps or [int(x) for x in plan._fps[cmd.subfilter][cmd.items]]
         for q, (k, fp) in enumerate(zip(cmd.items, fps, strict=True)):
