@@ -1,13 +1,12 @@
 """One filter's operations, and its handles: CuckooFilter (asyncio) and SyncCuckooFilter.
 
-Each operation is written once, as a generator that yields the Redis calls it needs (script
-calls; plain reads for lookups) and gets their replies back (guard/driver.py runs it on a
-blocking or an asyncio client; guard/facade.py gives both handles the same public methods).
-The handle caches the filter's layout and sends it with every call; a call that finds the
-stored header different answers STALE, and the operation reads the stored filter again (the
-probe) and retries. A layout is adopted only after the probe has verified every sub-filter
-(guard/layout.py:verify_stored); a damaged filter leaves the handle with no layout, so every
-call checks again and raises FilterCorruptError again.
+Each operation is written once, as a generator of the Redis calls it needs (guard/driver.py
+runs it on a blocking or an asyncio client; guard/facade.py gives both handles the same public
+methods). The handle caches the filter's layout and sends it with every call; a call that
+finds the stored header different answers STALE, and the operation reads the stored filter
+again (the probe) and retries. A layout is adopted only once the probe has verified every
+sub-filter (guard/layout.py:verify_stored): a damaged filter leaves the handle with none, so
+every call checks again and raises FilterCorruptError again.
 """
 
 from __future__ import annotations
@@ -88,19 +87,11 @@ class FilterOps:
     """One filter's operations, as generators of calls: the handles' (and each shard's)."""
 
     def __init__(
-        self,
-        redis: Any,
-        name: str,
-        prefix: str = DEFAULT_PREFIX,
-        *,
-        _variant: str = "",
-        _shard: int | None = None,
+        self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, _shard: int | None = None
     ) -> None:
-        self.redis = redis
-        self.name = check_name(name)
-        self.prefix = prefix
+        self.redis, self.name, self.prefix = redis, check_name(name), prefix
         self._shard = _shard
-        self._base = base_key(prefix, name, _shard, _variant)
+        self._base = base_key(prefix, name, _shard)
         self._layout = UNKNOWN_LAYOUT
         self._read_command = "BITFIELD_RO"
         self._single: SingleRead | None = None  # the plan of one-item lookups, per layout
@@ -130,8 +121,7 @@ class FilterOps:
         return False
 
     def _reads_op(self, reads: list[list[Any]], atomic: bool = False) -> Op[list[Any]]:
-        """BITFIELD_RO commands (``reads``: their arguments), as BITFIELD once fakeredis has
-        refused BITFIELD_RO."""
+        """BITFIELD_RO commands (``reads``: their arguments); BITFIELD once refused them."""
         while True:
             used = self._read_command
             try:
@@ -179,7 +169,10 @@ class FilterOps:
     def staging(self) -> Self:
         """A handle on this filter's staging copy (same hash tag), for rebuilds: fill it,
         then ``promote()`` it in place of the live filter."""
-        return type(self)(self.redis, self.name, self.prefix, _variant=STAGING, _shard=self._shard)
+        stage = type(self)(self.redis, self.name, self.prefix)
+        stage._shard = self._shard  # a shard's, for a sharded filter's (guard/sharded.py)
+        stage._base = base_key(self.prefix, self.name, self._shard, STAGING)
+        return stage
 
     # -- operations -------------------------------------------------------------------------
 
@@ -241,10 +234,9 @@ class FilterOps:
         raise self._kept_changing(f"during {script}")
 
     def _lookup_one_op(self, item: str | bytes) -> Op[bool]:
-        """``lookup`` of one item, a web request's: when the handle knows a layout of one
-        sub-filter (nearly always), the general lookup's read planned inline, once per layout
-        (guard/reads.py: SingleRead), with no loop or plan around it. Anything else, and any
-        answer but a plain one, goes on as the general lookup would go on from there."""
+        """``lookup`` of one item, a web request's: with a known layout of one sub-filter
+        (nearly always), the general lookup's read planned once per layout (guard/reads.py:
+        SingleRead), with no loop around it; anything else goes on as the general lookup."""
         item = to_bytes(item)  # here, not before: a bad item fails when the operation runs
         layout = self._layout
         if layout.subfilters != 1 or not layout.buckets0:
@@ -268,9 +260,8 @@ class FilterOps:
         return _QueuedLookup(self, item)
 
     def _lookup_failed(self, exc: BaseException, used: str, item: bytes) -> Op[bool]:
-        """A single lookup whose command (``used``) failed: it goes on as the general lookup
-        when fakeredis refused BITFIELD_RO, else ``exc`` is raised (damage first forgets the
-        layout, as forgets_on_damage would, without its extra generator)."""
+        """A single lookup whose command (``used``) failed: the general lookup if fakeredis
+        refused BITFIELD_RO, else ``exc`` (damage forgets the layout, as forgets_on_damage)."""
         if isinstance(exc, ResponseError) and self._refused_ro(exc, used):
             return self._lookup_rest(item)
         if isinstance(exc, FilterCorruptError):
@@ -388,9 +379,8 @@ class FilterOps:
 
     @forgets_on_damage
     def _promote_op(self, only_if_new: bool = False, live: FilterOps | None = None) -> Op[bool]:
-        """Promote this staging copy onto ``live`` (by default the filter's live copy); when
-        ``only_if_new``, only if no live filter exists (FilterExistsError), checked in the
-        promoting script itself."""
+        """Promote this staging copy onto ``live`` (default: the filter's live copy); with
+        ``only_if_new``, only if no live filter exists (else FilterExistsError, from the script)."""
         if live is None:
             live = FilterOps(self.redis, self.name, self.prefix, _shard=self._shard)
         keys = live._keys(MAX_SUBFILTERS) + self._keys(MAX_SUBFILTERS)
@@ -559,16 +549,9 @@ class CuckooFilter(FilterOps, AsyncHandle[FilterInfo]):
     default), concurrent lookups on it are sent together (guard/coalesce.py)."""
 
     def __init__(
-        self,
-        redis: Any,
-        name: str,
-        prefix: str = DEFAULT_PREFIX,
-        *,
-        coalesce: bool = True,
-        _variant: str = "",
-        _shard: int | None = None,
+        self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, coalesce: bool = True
     ) -> None:
-        super().__init__(redis, name, prefix, _variant=_variant, _shard=_shard)
+        super().__init__(redis, name, prefix)
         self._start(coalesce)
 
 
