@@ -104,12 +104,11 @@ class Facade(Generic[InfoT]):
     ) -> Op[InfoT]:
         """Make the filter from ``items`` in one build (guard/bulk.py), far faster than
         inserting them: str/bytes items or lists of them, streamed (an asyncio handle also
-        reads an async iterable, and builds in a worker thread). ``capacity`` (the total, for
-        a sharded filter; None: the items read) and ``params`` as ``reserve()`` takes them.
-        ``replace``: swap out an existing filter atomically (else FilterExistsError, raised
-        before the input is read and checked again by the swap). ``promote=False``: leave the
-        build in ``staging()`` for the caller to change and promote. ``applied``,
-        ``source``: as for ``reserve()``. Returns the info of the filter written."""
+        reads an async iterable, and builds in a worker thread). ``capacity`` (None: the items
+        read), ``applied``, ``source`` and ``params`` as ``reserve()`` takes them. ``replace``:
+        swap out an existing filter atomically (else FilterExistsError, raised before the input
+        is read and checked again by the swap). ``promote=False``: leave the build in
+        ``staging()`` for the caller to change and promote. Returns the written filter's info."""
         return load_op(
             self,
             items,
@@ -188,10 +187,7 @@ class SyncHandle(SyncRunner, Facade[InfoT]):
     """A handle over a blocking client: each method runs its operation and returns."""
 
     def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]:
-        def method(*args: Any, **kwargs: Any) -> Any:
-            return self._run(make(self, *args, **kwargs))
-
-        return method
+        return lambda *args, **kwargs: self._run(make(self, *args, **kwargs))
 
     def pipeline(self) -> Pipeline[InfoT]:
         """Operations queued now and sent together by ``execute()`` (see ``Pipeline``)."""
@@ -251,10 +247,7 @@ class _Queue(Facade[InfoT]):
         return len(self._ops)
 
     def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]:
-        def queue(*args: Any, **kwargs: Any) -> None:
-            self._ops.append(make(self._handle, *args, **kwargs))
-
-        return queue
+        return lambda *args, **kwargs: self._ops.append(make(self._handle, *args, **kwargs))
 
     # A loop queues single lookups by the hundred: each in a form lockstep runs without a
     # generator (guard/ops.py: OneCommand).

@@ -399,9 +399,8 @@ class FilterOps:
     @forgets_on_damage
     def apply_changes(self, changes: Sequence[Change], *, source: int) -> Op[ApplyResult]:
         """Apply database changes in order, each exactly once: see guard/changes.py."""
-        # Long batches go in chunks, one call of guard/lua/apply.lua each; a call stopped by
-        # growth that needs keys is sent again from where it stopped. Whatever an earlier
-        # call applied (a replay, a chunk sent twice) the script skips by itself.
+        # In chunks, one call of guard/lua/apply.lua each, sent again from where growth that
+        # needed keys stopped it; the script skips what an earlier call applied (a replay).
         src, batch = checked(changes, source)
         results: list[bool] = []
         skipped = 0
@@ -419,16 +418,15 @@ class FilterOps:
             applied = int(reply[2])
             skipped += int(reply[3])
             results.extend(bool(r) for r in reply[4:])
-            if reply[0] == scripts.GAP:
-                return ApplyResult(applied, len(results), True, results, skipped)
             if reply[0] == scripts.FULL:
                 raise FilterFullError(
                     f"filter {self.name!r} is full: changes applied up to id {applied}, "
                     f"{len(results)} of {len(batch)} handled",
                     results + [False] * (len(batch) - len(results)),
                 )
-            if len(results) >= len(batch):
-                return ApplyResult(applied, len(results), False, results, skipped)
+            gap = reply[0] == scripts.GAP
+            if gap or len(results) >= len(batch):
+                return ApplyResult(applied, len(results), gap, results, skipped)
 
     @operation
     @forgets_on_damage
@@ -467,9 +465,9 @@ class FilterOps:
 
 
 class _Sender:
-    """Sends the calls of one operation whose scripts may grow the filter (insert, apply,
-    undo): with the spare keys growth needs (without them during a slot migration), again
-    after a stale layout; the retry counts hold for the whole operation."""
+    """Sends the calls of an operation whose scripts may grow the filter (insert, apply, undo):
+    with the spare keys growth needs (none during a slot migration), again after a stale
+    layout; the retry counts hold for the whole operation."""
 
     def __init__(self, f: FilterOps, script: str, source: int = 0) -> None:
         self.f, self.script, self.source = f, script, source
@@ -477,8 +475,8 @@ class _Sender:
         self.spares = 2
 
     def call(self, tail: Callable[[Layout], list[Any]]) -> Op[list[Any]]:
-        """One call; ``tail(layout)`` gives the arguments after the layout's. Returns the
-        reply (any status but STALE and SOURCE)."""
+        """One call, ``tail(layout)`` its arguments after the layout's: its reply, unless
+        STALE (sent again) or SOURCE (ChangeSourceError)."""
         f = self.f
         while True:
             layout = yield from f._known_layout()
@@ -556,8 +554,7 @@ class CuckooFilter(FilterOps, AsyncHandle[FilterInfo]):
 
 
 class SyncCuckooFilter(FilterOps, SyncHandle[FilterInfo]):
-    """The same filter over a blocking ``redis.Redis`` (or ``RedisCluster``), for scripts
-    and CLIs."""
+    """The same filter over a blocking ``redis.Redis`` (or ``RedisCluster``), for scripts."""
 
 
 __all__ = ["CuckooFilter", "FilterInfo", "SyncCuckooFilter"]

@@ -64,8 +64,7 @@ _SUMMED = ("capacity", "items", "buckets", "memory_bytes", "deletes", "missed_de
 
 
 class ShardedOps:
-    """The sharded operations, as generators of per-shard rounds; each shard's are a single
-    filter's (guard/filter.py: ``FilterOps``)."""
+    """The sharded operations; each shard's are a single filter's (guard/filter.py)."""
 
     def __init__(self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, shards: int) -> None:
         SHARDS.check("shards", shards)
@@ -174,12 +173,9 @@ class ShardedOps:
                 self._rerouted,
             )
             if any(isinstance(r, FilterNotFoundError) for r in results.values()):
-                # One shard gone is a damaged filter, all gone a dropped one: the open check
-                # tells which (and raises it).
+                # One shard gone is damage, all gone a dropped filter: the open check raises which.
                 self._seed = None
                 yield from self._open_op()
-            in_order = (results[i] for i in groups)
-            raise_first(r for r in in_order if not isinstance(r, _Rerouted | FilterFullError))
             todo = []
             for i, idx in groups.items():
                 result = results[i]
@@ -189,6 +185,8 @@ class ShardedOps:
                 if isinstance(result, FilterFullError):
                     full += 1
                     result = result.results
+                elif isinstance(result, BaseException):  # the first shard's failure
+                    raise result
                 for k, r in zip(idx, result, strict=True):
                     out[k] = r
             if todo:
@@ -273,8 +271,7 @@ class ShardedOps:
         return self._combine((yield from self._fan(h._info_op() for h in self._handles)))
 
     def _combine(self, infos: list[FilterInfo]) -> ShardedFilterInfo:
-        """The first shard's info (the geometry and targets are the same in every shard),
-        the counters added up."""
+        """The first shard's info (geometry and targets are the same in all), counters summed."""
         sums = {field: sum(getattr(x, field) for x in infos) for field in _SUMMED}
         return replace(
             ShardedFilterInfo(**vars(infos[0])),
