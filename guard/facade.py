@@ -195,10 +195,10 @@ class SyncHandle(SyncRunner, Facade[InfoT]):
 
 
 class AsyncHandle(AsyncRunner, Facade[InfoT]):
-    """A handle over an asyncio client: each method returns a coroutine; with ``coalesce``,
-    concurrent lookups on one handle are sent together (guard/coalesce.py)."""
+    """A handle over an asyncio client: each method returns a coroutine."""
 
     def _start(self, coalesce: bool) -> None:
+        """With ``coalesce``, concurrent lookups on the handle go together (guard/coalesce.py)."""
         self._coalescer = LookupCoalescer(self._lookup_now) if coalesce else None
 
     def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]:

@@ -1,14 +1,12 @@
 """ShardedCuckooFilter (asyncio) and SyncShardedCuckooFilter: one filter over N sub-tables.
 
 Shard ``i`` is an ordinary filter under its own hash tag (``PREFIX{NAME:i}``), so Redis Cluster
-places the shards in different slots and, as the slots fall, on different nodes; every script
-still touches the keys of one slot only. An item's shard is bits 96..127 of its hash
-(guard/hashing.py: ``shard_of``), which the bucket and fingerprint bits never use.
-
-Nothing here re-implements the filter: each operation runs the single filter's, one per shard,
-in lock step (guard/ops.py: ``lockstep``), under the same public methods (guard/facade.py).
-Every round of every shard goes out at once, the plain ones in one pipeline, which a
-``RedisCluster`` writes to every node before reading any reply.
+spreads the shards over slots and nodes while every script touches one slot's keys. An item's
+shard is bits 96..127 of its hash (guard/hashing.py: ``shard_of``), which the bucket and
+fingerprint bits never use. Each operation runs the single filter's, one per shard, in lock step
+(guard/ops.py: ``lockstep``), under the same public methods (guard/facade.py): every round of
+every shard goes out at once, the plain ones in one pipeline, which a ``RedisCluster`` writes to
+every node before reading any reply.
 """
 
 from __future__ import annotations
@@ -77,9 +75,8 @@ class ShardedOps:
         return self._handles[shard].key(n)
 
     def nodes(self) -> list[str | None]:
-        """The cluster node (``host:port``) serving each shard, from the client's slot map;
-        None per shard on a plain Redis. No I/O: shows whether the shards spread. (An asyncio
-        RedisCluster knows its slot map after its first command.)"""
+        """The cluster node (``host:port``) serving each shard, from the client's slot map (an
+        asyncio RedisCluster's is known after its first command); None each on a plain Redis."""
         locate = getattr(self.redis, "get_node_from_key", None)
         if locate is None:
             return [None] * self.shards
