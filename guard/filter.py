@@ -113,8 +113,7 @@ class FilterOps:
         return True
 
     def _refused_ro(self, exc: BaseException, used: str) -> bool:
-        """Whether ``exc`` is fakeredis refusing BITFIELD_RO, which it lacks: reads then use
-        BITFIELD, which with only GETs reads the same."""
+        """Whether ``exc`` is fakeredis refusing BITFIELD_RO: then BITFIELD reads (same GETs)."""
         if used == "BITFIELD_RO" and "bitfield_ro" in str(exc).lower():
             self._read_command = "BITFIELD"
             return True
