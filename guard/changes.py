@@ -1,14 +1,12 @@
 """Database changes applied to a filter exactly once, with the id of the last one in its bytes.
 
-A filter that follows a database's change log (docs/format.md, "Change feed") stores, in
-sub-filter 0's header, ``applied``: the id of the last change applied, and ``source``: which
-change log that id belongs to. guard/lua/apply.lua applies a batch of changes and moves
-``applied`` in the same script, skipping what an earlier call already applied: a follower that
-crashes and replays, or two that overlap, apply each change once. A filter rolled back or
-restored from an older copy carries its own older id, so the guard sees it is behind.
-
-The operations are a single filter's (guard/filter.py: ``apply_changes``, ``applied_change``,
-``undo_change``); here are the changes they take, what they answer, and the checks.
+A filter that follows a database's change log (docs/format.md, "Change feed") stores in
+sub-filter 0's header ``applied``, the id of the last change applied, and ``source``, the change
+log it belongs to. guard/lua/apply.lua applies a batch and moves ``applied`` in the same script,
+skipping what an earlier call applied: a follower that crashes and replays, or two that
+overlap, apply each change once. A filter restored from an older copy carries its older id, so
+the guard sees it is behind. The operations are a single filter's (guard/filter.py:
+``apply_changes``, ``applied_change``, ``undo_change``); here are what they take and answer.
 """
 
 from __future__ import annotations
@@ -42,8 +40,6 @@ class ApplyResult:
 
 SOURCE = Limit(1, MAX_SOURCE)  # 0 is "none": a change log has an identity
 CHANGE_ID = Limit(1, MAX_CHANGE_ID)
-
-
 Item = tuple[int, bool, bytes]  # a checked change: id, insert, the item's bytes
 
 

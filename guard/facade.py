@@ -1,12 +1,10 @@
 """The public methods of every filter handle, written once for sync, asyncio and pipelines.
 
-Each public method builds an operation (a generator of rounds, guard/driver.py) and hands it to
-the object it is called on: a blocking handle runs it and returns the result, an asyncio handle
-returns a coroutine, a pipeline queues it. The ``operation`` descriptor does the hand-over and
-gives each flavour its own type (``bool``, ``Coroutine[..., bool]``, the pipeline), as redis-py
-writes each command once and types its two clients' results apart. The operations behind the
-methods (``_insert_op`` and the rest) come from the handle: one filter's (guard/filter.py) or a
-sharded filter's (guard/sharded.py).
+Each method builds an operation (guard/ops.py) from the handle's own (``_insert_op`` and the
+rest: guard/filter.py, guard/sharded.py) and hands it to the object it is called on: a blocking
+handle runs it, an asyncio handle returns a coroutine, a pipeline queues it. The ``operation``
+descriptor does the hand-over and types each flavour's result apart, as redis-py does for its
+two clients.
 """
 
 from __future__ import annotations
@@ -48,10 +46,8 @@ class operation(Generic[P, T]):
         if obj is None:
             return self
         method = obj._bind(self.make)
-        method.__name__ = self.name
-        method.__doc__ = self.__doc__
-        # Kept on the object, as functools.cached_property does: the next access finds it
-        # there, and a loop of single calls pays for binding once.
+        method.__name__, method.__doc__ = self.name, self.__doc__
+        # Kept on the object, as functools.cached_property does: a loop of calls binds once.
         obj.__dict__[self.name] = method
         return method
 
@@ -108,12 +104,11 @@ class Facade(Generic[InfoT]):
     ) -> Op[InfoT]:
         """Make the filter from ``items`` in one build (guard/bulk.py), far faster than
         inserting them: str/bytes items or lists of them, streamed (an asyncio handle also
-        reads an async iterable, and builds in a worker thread). ``capacity`` (the total, for
-        a sharded filter; None: the items read) and ``params`` as ``reserve()`` takes them.
-        ``replace``: swap out an existing filter atomically (else FilterExistsError, raised
-        before the input is read and checked again by the swap). ``promote=False``: leave the
-        build in ``staging()`` for the caller to change and promote. ``applied``,
-        ``source``: as for ``reserve()``. Returns the info of the filter written."""
+        reads an async iterable, and builds in a worker thread). ``capacity`` (None: the items
+        read), ``applied``, ``source`` and ``params`` as ``reserve()`` takes them. ``replace``:
+        swap out an existing filter atomically (else FilterExistsError, raised before the input
+        is read and checked again by the swap). ``promote=False``: leave the build in
+        ``staging()`` for the caller to change and promote. Returns the written filter's info."""
         return load_op(
             self,
             items,
@@ -192,10 +187,7 @@ class SyncHandle(SyncRunner, Facade[InfoT]):
     """A handle over a blocking client: each method runs its operation and returns."""
 
     def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]:
-        def method(*args: Any, **kwargs: Any) -> Any:
-            return self._run(make(self, *args, **kwargs))
-
-        return method
+        return lambda *args, **kwargs: self._run(make(self, *args, **kwargs))
 
     def pipeline(self) -> Pipeline[InfoT]:
         """Operations queued now and sent together by ``execute()`` (see ``Pipeline``)."""
@@ -203,12 +195,10 @@ class SyncHandle(SyncRunner, Facade[InfoT]):
 
 
 class AsyncHandle(AsyncRunner, Facade[InfoT]):
-    """A handle over an asyncio client: each method returns a coroutine.
-
-    With ``coalesce``, concurrent lookups on one handle are sent together (guard/coalesce.py).
-    """
+    """A handle over an asyncio client: each method returns a coroutine."""
 
     def _start(self, coalesce: bool) -> None:
+        """With ``coalesce``, concurrent lookups on the handle go together (guard/coalesce.py)."""
         self._coalescer = LookupCoalescer(self._lookup_now) if coalesce else None
 
     def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]:
@@ -222,10 +212,9 @@ class AsyncHandle(AsyncRunner, Facade[InfoT]):
             return [await self._run(self._lookup_one_op(data[0]))]
         return await self._run(self._lookup_op(data))
 
-    # Lookups, unlike the other methods, go through the coalescer.
     async def lookup(self, item: str | bytes) -> bool:  # type: ignore[override]
         """Whether ``item`` is probably present (False is certain)."""
-        if self._coalescer is None:  # straight to the one-item operation
+        if self._coalescer is None:  # else the lookup goes through the coalescer
             return await self._run(self._lookup_one_op(item))
         return (await self._coalescer.lookup_many([to_bytes(item)]))[0]
 
@@ -243,14 +232,11 @@ class AsyncHandle(AsyncRunner, Facade[InfoT]):
 
 class _Queue(Facade[InfoT]):
     """A pipeline: the handle's methods queue their operations, ``execute()`` runs them side
-    by side (guard/ops.py: ``lockstep``), so N operations cost the round trips of the
-    longest one rather than N times that: single-item calls of a loop become one pipeline
-    per step. Results come back in the order the methods were called.
-
-    Each operation keeps its own semantics (retries, growth, errors), and nothing is atomic
-    or ordered across them: an operation that needs a second round (a stale layout, a
-    fallback command) runs it after the others' first. Queue operations that do not depend
-    on each other; an insert and a lookup of the same item may run in either order.
+    by side (guard/ops.py: ``lockstep``), in the round trips of the longest one; results come
+    back in the order of the calls. Each operation keeps its own retries, growth and errors;
+    nothing is atomic or ordered across them (one that needs a second round runs it after the
+    others' first), so queue operations that do not depend on each other: an insert and a
+    lookup of the same item may run in either order.
     """
 
     def __init__(self, handle: Facade[InfoT]) -> None:
@@ -261,13 +247,10 @@ class _Queue(Facade[InfoT]):
         return len(self._ops)
 
     def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]:
-        def queue(*args: Any, **kwargs: Any) -> None:
-            self._ops.append(make(self._handle, *args, **kwargs))
+        return lambda *args, **kwargs: self._ops.append(make(self._handle, *args, **kwargs))
 
-        return queue
-
-    # A single lookup, the one operation a loop queues by the hundred, is queued in a form
-    # lockstep runs without a generator (guard/ops.py: OneCommand).
+    # A loop queues single lookups by the hundred: each in a form lockstep runs without a
+    # generator (guard/ops.py: OneCommand).
     def lookup(self, item: str | bytes) -> None:  # type: ignore[override]
         """Whether ``item`` is probably present (False is certain)."""
         self._ops.append(self._handle._queued_lookup(item))

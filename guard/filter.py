@@ -1,13 +1,12 @@
 """One filter's operations, and its handles: CuckooFilter (asyncio) and SyncCuckooFilter.
 
-Each operation is written once, as a generator that yields the Redis calls it needs (script
-calls; plain reads for lookups) and gets their replies back (guard/driver.py runs it on a
-blocking or an asyncio client; guard/facade.py gives both handles the same public methods).
-The handle caches the filter's layout and sends it with every call; a call that finds the
-stored header different answers STALE, and the operation reads the stored filter again (the
-probe) and retries. A layout is adopted only after the probe has verified every sub-filter
-(guard/layout.py:verify_stored); a damaged filter leaves the handle with no layout, so every
-call checks again and raises FilterCorruptError again.
+Each operation is written once, as a generator of the Redis calls it needs (guard/driver.py
+runs it on a blocking or an asyncio client; guard/facade.py gives both handles the same public
+methods). The handle caches the filter's layout and sends it with every call; a call that
+finds the stored header different answers STALE, and the operation reads the stored filter
+again (the probe) and retries. A layout is adopted only once the probe has verified every
+sub-filter (guard/layout.py:verify_stored): a damaged filter leaves the handle with none, so
+every call checks again and raises FilterCorruptError again.
 """
 
 from __future__ import annotations
@@ -88,19 +87,11 @@ class FilterOps:
     """One filter's operations, as generators of calls: the handles' (and each shard's)."""
 
     def __init__(
-        self,
-        redis: Any,
-        name: str,
-        prefix: str = DEFAULT_PREFIX,
-        *,
-        _variant: str = "",
-        _shard: int | None = None,
+        self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, _shard: int | None = None
     ) -> None:
-        self.redis = redis
-        self.name = check_name(name)
-        self.prefix = prefix
+        self.redis, self.name, self.prefix = redis, check_name(name), prefix
         self._shard = _shard
-        self._base = base_key(prefix, name, _shard, _variant)
+        self._base = base_key(prefix, name, _shard)
         self._layout = UNKNOWN_LAYOUT
         self._read_command = "BITFIELD_RO"
         self._single: SingleRead | None = None  # the plan of one-item lookups, per layout
@@ -122,16 +113,14 @@ class FilterOps:
         return True
 
     def _refused_ro(self, exc: BaseException, used: str) -> bool:
-        """Whether ``exc`` is fakeredis refusing BITFIELD_RO, which it lacks: reads then use
-        BITFIELD, which with only GETs reads the same."""
+        """Whether ``exc`` is fakeredis refusing BITFIELD_RO: then BITFIELD reads (same GETs)."""
         if used == "BITFIELD_RO" and "bitfield_ro" in str(exc).lower():
             self._read_command = "BITFIELD"
             return True
         return False
 
     def _reads_op(self, reads: list[list[Any]], atomic: bool = False) -> Op[list[Any]]:
-        """BITFIELD_RO commands (``reads``: their arguments), as BITFIELD once fakeredis has
-        refused BITFIELD_RO."""
+        """BITFIELD_RO commands (``reads``: their arguments); BITFIELD once refused them."""
         while True:
             used = self._read_command
             try:
@@ -179,7 +168,10 @@ class FilterOps:
     def staging(self) -> Self:
         """A handle on this filter's staging copy (same hash tag), for rebuilds: fill it,
         then ``promote()`` it in place of the live filter."""
-        return type(self)(self.redis, self.name, self.prefix, _variant=STAGING, _shard=self._shard)
+        stage = type(self)(self.redis, self.name, self.prefix)
+        stage._shard = self._shard  # a shard's, for a sharded filter's (guard/sharded.py)
+        stage._base = base_key(self.prefix, self.name, self._shard, STAGING)
+        return stage
 
     # -- operations -------------------------------------------------------------------------
 
@@ -241,10 +233,9 @@ class FilterOps:
         raise self._kept_changing(f"during {script}")
 
     def _lookup_one_op(self, item: str | bytes) -> Op[bool]:
-        """``lookup`` of one item, a web request's: when the handle knows a layout of one
-        sub-filter (nearly always), the general lookup's read planned inline, once per layout
-        (guard/reads.py: SingleRead), with no loop or plan around it. Anything else, and any
-        answer but a plain one, goes on as the general lookup would go on from there."""
+        """``lookup`` of one item, a web request's: with a known layout of one sub-filter
+        (nearly always), the general lookup's read planned once per layout (guard/reads.py:
+        SingleRead), with no loop around it; anything else goes on as the general lookup."""
         item = to_bytes(item)  # here, not before: a bad item fails when the operation runs
         layout = self._layout
         if layout.subfilters != 1 or not layout.buckets0:
@@ -268,9 +259,8 @@ class FilterOps:
         return _QueuedLookup(self, item)
 
     def _lookup_failed(self, exc: BaseException, used: str, item: bytes) -> Op[bool]:
-        """A single lookup whose command (``used``) failed: it goes on as the general lookup
-        when fakeredis refused BITFIELD_RO, else ``exc`` is raised (damage first forgets the
-        layout, as forgets_on_damage would, without its extra generator)."""
+        """A single lookup whose command (``used``) failed: the general lookup if fakeredis
+        refused BITFIELD_RO, else ``exc`` (damage forgets the layout, as forgets_on_damage)."""
         if isinstance(exc, ResponseError) and self._refused_ro(exc, used):
             return self._lookup_rest(item)
         if isinstance(exc, FilterCorruptError):
@@ -388,9 +378,8 @@ class FilterOps:
 
     @forgets_on_damage
     def _promote_op(self, only_if_new: bool = False, live: FilterOps | None = None) -> Op[bool]:
-        """Promote this staging copy onto ``live`` (by default the filter's live copy); when
-        ``only_if_new``, only if no live filter exists (FilterExistsError), checked in the
-        promoting script itself."""
+        """Promote this staging copy onto ``live`` (default: the filter's live copy); with
+        ``only_if_new``, only if no live filter exists (else FilterExistsError, from the script)."""
         if live is None:
             live = FilterOps(self.redis, self.name, self.prefix, _shard=self._shard)
         keys = live._keys(MAX_SUBFILTERS) + self._keys(MAX_SUBFILTERS)
@@ -409,9 +398,8 @@ class FilterOps:
     @forgets_on_damage
     def apply_changes(self, changes: Sequence[Change], *, source: int) -> Op[ApplyResult]:
         """Apply database changes in order, each exactly once: see guard/changes.py."""
-        # Long batches go in chunks, one call of guard/lua/apply.lua each; a call stopped by
-        # growth that needs keys is sent again from where it stopped. Whatever an earlier
-        # call applied (a replay, a chunk sent twice) the script skips by itself.
+        # In chunks, one call of guard/lua/apply.lua each, sent again from where growth that
+        # needed keys stopped it; the script skips what an earlier call applied (a replay).
         src, batch = checked(changes, source)
         results: list[bool] = []
         skipped = 0
@@ -429,16 +417,15 @@ class FilterOps:
             applied = int(reply[2])
             skipped += int(reply[3])
             results.extend(bool(r) for r in reply[4:])
-            if reply[0] == scripts.GAP:
-                return ApplyResult(applied, len(results), True, results, skipped)
             if reply[0] == scripts.FULL:
                 raise FilterFullError(
                     f"filter {self.name!r} is full: changes applied up to id {applied}, "
                     f"{len(results)} of {len(batch)} handled",
                     results + [False] * (len(batch) - len(results)),
                 )
-            if len(results) >= len(batch):
-                return ApplyResult(applied, len(results), False, results, skipped)
+            gap = reply[0] == scripts.GAP
+            if gap or len(results) >= len(batch):
+                return ApplyResult(applied, len(results), gap, results, skipped)
 
     @operation
     @forgets_on_damage
@@ -477,9 +464,9 @@ class FilterOps:
 
 
 class _Sender:
-    """Sends the calls of one operation whose scripts may grow the filter (insert, apply,
-    undo): with the spare keys growth needs (without them during a slot migration), again
-    after a stale layout; the retry counts hold for the whole operation."""
+    """Sends the calls of an operation whose scripts may grow the filter (insert, apply, undo):
+    with the spare keys growth needs (none during a slot migration), again after a stale
+    layout; the retry counts hold for the whole operation."""
 
     def __init__(self, f: FilterOps, script: str, source: int = 0) -> None:
         self.f, self.script, self.source = f, script, source
@@ -487,8 +474,8 @@ class _Sender:
         self.spares = 2
 
     def call(self, tail: Callable[[Layout], list[Any]]) -> Op[list[Any]]:
-        """One call; ``tail(layout)`` gives the arguments after the layout's. Returns the
-        reply (any status but STALE and SOURCE)."""
+        """One call, ``tail(layout)`` its arguments after the layout's: its reply, unless
+        STALE (sent again) or SOURCE (ChangeSourceError)."""
         f = self.f
         while True:
             layout = yield from f._known_layout()
@@ -559,22 +546,14 @@ class CuckooFilter(FilterOps, AsyncHandle[FilterInfo]):
     default), concurrent lookups on it are sent together (guard/coalesce.py)."""
 
     def __init__(
-        self,
-        redis: Any,
-        name: str,
-        prefix: str = DEFAULT_PREFIX,
-        *,
-        coalesce: bool = True,
-        _variant: str = "",
-        _shard: int | None = None,
+        self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, coalesce: bool = True
     ) -> None:
-        super().__init__(redis, name, prefix, _variant=_variant, _shard=_shard)
+        super().__init__(redis, name, prefix)
         self._start(coalesce)
 
 
 class SyncCuckooFilter(FilterOps, SyncHandle[FilterInfo]):
-    """The same filter over a blocking ``redis.Redis`` (or ``RedisCluster``), for scripts
-    and CLIs."""
+    """The same filter over a blocking ``redis.Redis`` (or ``RedisCluster``), for scripts."""
 
 
 __all__ = ["CuckooFilter", "FilterInfo", "SyncCuckooFilter"]

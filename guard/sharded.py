@@ -1,14 +1,12 @@
 """ShardedCuckooFilter (asyncio) and SyncShardedCuckooFilter: one filter over N sub-tables.
 
 Shard ``i`` is an ordinary filter under its own hash tag (``PREFIX{NAME:i}``), so Redis Cluster
-places the shards in different slots and, as the slots fall, on different nodes; every script
-still touches the keys of one slot only. An item's shard is bits 96..127 of its hash
-(guard/hashing.py: ``shard_of``), which the bucket and fingerprint bits never use.
-
-Nothing here re-implements the filter: each operation runs the single filter's generators,
-one per shard, in lock step (guard/ops.py: ``lockstep``), and the handles are the single
-filter's too (guard/facade.py): every round of every shard goes out at once, the plain ones in
-one pipeline, which a ``RedisCluster`` writes to every node before reading any reply.
+spreads the shards over slots and nodes while every script touches one slot's keys. An item's
+shard is bits 96..127 of its hash (guard/hashing.py: ``shard_of``), which the bucket and
+fingerprint bits never use. Each operation runs the single filter's, one per shard, in lock step
+(guard/ops.py: ``lockstep``), under the same public methods (guard/facade.py): every round of
+every shard goes out at once, the plain ones in one pipeline, which a ``RedisCluster`` writes to
+every node before reading any reply.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from guard.facade import AsyncHandle, SyncHandle
 from guard.filter import FilterInfo, FilterOps
 from guard.hashing import shard_of, to_bytes
 from guard.layout import MAX_SHARDS, Stored, pack_header, unpack_header, verify_stored
-from guard.names import DEFAULT_PREFIX, STAGING
+from guard.names import DEFAULT_PREFIX
 from guard.ops import MAX_RETRIES, Op, lockstep, raise_first
 from guard.params import FilterParams, Limit
 
@@ -64,26 +62,12 @@ _SUMMED = ("capacity", "items", "buckets", "memory_bytes", "deletes", "missed_de
 
 
 class ShardedOps:
-    """The sharded operations, as generators of per-shard rounds; each shard's are a single
-    filter's (guard/filter.py: ``FilterOps``)."""
+    """The sharded operations; each shard's are a single filter's (guard/filter.py)."""
 
-    def __init__(
-        self,
-        redis: Any,
-        name: str,
-        prefix: str = DEFAULT_PREFIX,
-        *,
-        shards: int,
-        _variant: str = "",
-    ) -> None:
+    def __init__(self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, shards: int) -> None:
         SHARDS.check("shards", shards)
-        self.redis = redis
-        self.name = name
-        self.prefix = prefix
-        self.shards = shards
-        self._handles = [
-            FilterOps(redis, name, prefix, _variant=_variant, _shard=i) for i in range(shards)
-        ]
+        self.redis, self.name, self.prefix, self.shards = redis, name, prefix, shards
+        self._handles = [FilterOps(redis, name, prefix, _shard=i) for i in range(shards)]
         self._seed: int | None = None  # the routing seed, learned from the shards' headers
         self._live: ShardedOps | None = None  # what a staging copy replaces when promoted
 
@@ -91,9 +75,8 @@ class ShardedOps:
         return self._handles[shard].key(n)
 
     def nodes(self) -> list[str | None]:
-        """The cluster node (``host:port``) serving each shard, from the client's slot map;
-        None per shard on a plain Redis. No I/O: shows whether the shards spread. (An asyncio
-        RedisCluster knows its slot map after its first command.)"""
+        """The cluster node (``host:port``) serving each shard, from the client's slot map (an
+        asyncio RedisCluster's is known after its first command); None each on a plain Redis."""
         locate = getattr(self.redis, "get_node_from_key", None)
         if locate is None:
             return [None] * self.shards
@@ -102,7 +85,8 @@ class ShardedOps:
     def staging(self) -> Self:
         """A handle on the staging copy: same shard count, same routing seed (taken from the
         live filter when it is reserved), so ``promote()`` moves no item to another shard."""
-        stage = type(self)(self.redis, self.name, self.prefix, shards=self.shards, _variant=STAGING)
+        stage = type(self)(self.redis, self.name, self.prefix, shards=self.shards)
+        stage._handles = [h.staging() for h in self._handles]
         stage._live = self
         return stage
 
@@ -139,15 +123,13 @@ class ShardedOps:
             if any(answers[i][1] for i in range(self.shards)):  # sub-filters left: damage
                 raise FilterCorruptError(self.name, "every shard's sub-filter 0 is missing")
             raise FilterNotFoundError(f"{self.name}: no such filter", filter=self.name)
-        seeds, recorded = set(), set()
-        for i in present:
-            stored = Stored(self.key(i), *answers[i][2:5])
-            seeds.add(verify_stored(self.name, [stored]).seed)
-            recorded.add(unpack_header(stored.header).shards)
+        stored = [Stored(self.key(i), *answers[i][2:5]) for i in present]
+        seeds = {verify_stored(self.name, [s]).seed for s in stored}
+        recorded = {unpack_header(s.header).shards for s in stored}
         if len(recorded) > 1:
             raise FilterCorruptError(self.name, f"the shards record shard counts {recorded}")
-        if recorded != {self.shards}:
-            count = recorded.pop()
+        (count,) = recorded
+        if count != self.shards:
             raise InvalidParameterError(
                 f"{self.name}: the filter has {count} shard(s); this handle was opened "
                 f"with shards={self.shards}",
@@ -157,7 +139,7 @@ class ShardedOps:
                 filter=self.name,
             )
         if len(present) < self.shards:
-            missing = sorted(set(range(self.shards)) - set(present))
+            missing = [i for i in range(self.shards) if i not in present]
             raise FilterCorruptError(self.name, f"shard(s) {missing} missing")
         if len(seeds) != 1:
             raise FilterCorruptError(self.name, "the shards have different seeds")
@@ -188,12 +170,9 @@ class ShardedOps:
                 self._rerouted,
             )
             if any(isinstance(r, FilterNotFoundError) for r in results.values()):
-                # One shard gone is a damaged filter, all gone a dropped one: the open check
-                # tells which (and raises it).
+                # One shard gone is damage, all gone a dropped filter: the open check raises which.
                 self._seed = None
                 yield from self._open_op()
-            in_order = (results[i] for i in groups)
-            raise_first(r for r in in_order if not isinstance(r, _Rerouted | FilterFullError))
             todo = []
             for i, idx in groups.items():
                 result = results[i]
@@ -203,6 +182,8 @@ class ShardedOps:
                 if isinstance(result, FilterFullError):
                     full += 1
                     result = result.results
+                elif isinstance(result, BaseException):  # the first shard's failure
+                    raise result
                 for k, r in zip(idx, result, strict=True):
                     out[k] = r
             if todo:
@@ -287,8 +268,7 @@ class ShardedOps:
         return self._combine((yield from self._fan(h._info_op() for h in self._handles)))
 
     def _combine(self, infos: list[FilterInfo]) -> ShardedFilterInfo:
-        """The first shard's info (the geometry and targets are the same in every shard),
-        the counters added up."""
+        """The first shard's info (geometry and targets are the same in all), counters summed."""
         sums = {field: sum(getattr(x, field) for x in infos) for field in _SUMMED}
         return replace(
             ShardedFilterInfo(**vars(infos[0])),
@@ -311,9 +291,8 @@ class ShardedOps:
             raise InvalidParameterError(
                 "promote() is for a staging copy (see staging())", filter=self.name
             )
-        # Each shard is replaced atomically; the staging copy keeps the live seed (see
-        # _seed_to_keep), so an item routes to the same shard in the old and the new copy and
-        # a lookup between two shards' promotes still finds it.
+        # Each shard is replaced atomically; with the live seed kept (_seed_to_keep), an item
+        # routes to the same shard in both copies, so a lookup between two promotes finds it.
         yield from self._open_op()
         if only_if_new:  # no shard swapped in while any exists (each one checks again)
             yield from live._refuse_existing_op()
@@ -335,9 +314,8 @@ class ShardedCuckooFilter(ShardedOps, AsyncHandle[ShardedFilterInfo]):
         *,
         shards: int,
         coalesce: bool = True,
-        _variant: str = "",
     ) -> None:
-        super().__init__(redis, name, prefix, shards=shards, _variant=_variant)
+        super().__init__(redis, name, prefix, shards=shards)
         self._start(coalesce)
 
 
