@@ -110,8 +110,7 @@ def _sent(
     except ResponseError as exc:
         raise scripts.map_error(exc, name) from exc
     # A SCRIPT FLUSH between the pipeline's script preload and its execution (or a cluster
-    # pipeline, which preloads nothing): those calls did nothing, so they alone are sent
-    # again, as EVAL.
+    # pipeline, which preloads nothing): those calls did nothing; they alone go again, as EVAL.
     for k, reply in enumerate(replies):
         call = calls[k]
         if isinstance(reply, NoScriptError) and not isinstance(call, list):
@@ -148,7 +147,7 @@ def _batch(batch: Batch, name: str) -> Transport[dict[Any, Any]]:
     operations send at once (each probing the same handle) goes once."""
     alone: dict[Any, Round] = {}  # MULTIs, in the batch's order
     shared: dict[Any, Round | Reads] = {}
-    first: dict[str, Any] = {}  # the calls of a read sent -> the key of its round
+    first: dict[str, Any] = {}  # a read's calls (as text) -> the key of the round sent
     same: dict[Any, Any] = {}  # a round's key -> the key of the identical read sent instead
     for k, rnd in batch.items():
         if isinstance(rnd, Reads) or not rnd.atomic:
@@ -156,7 +155,7 @@ def _batch(batch: Batch, name: str) -> Transport[dict[Any, Any]]:
             continue
         # Probes are MULTIs; a plain read (a lookup's) is not worth comparing.
         if all(isinstance(c, Command) or c.read_only for c in rnd.calls):
-            text = repr(rnd.calls)  # names, keys and arguments: str, bytes, int, bool
+            text = repr(rnd.calls)  # equal for equal calls (str, bytes, int, bool fields)
             if first.setdefault(text, k) != k:
                 same[k] = first[text]
                 continue

@@ -174,8 +174,7 @@ def lockstep(
             except Exception as exc:
                 results[key] = exc
                 continue
-            if isinstance(request, Work):
-                # A bulk build's writes are plain commands, which a batch takes for reads.
+            if isinstance(request, Work):  # a bulk build: in a batch, its writes pass for reads
                 op.close()
                 results[key] = TypeError("bulk_load runs on its handle, not in a pipeline")
                 continue
