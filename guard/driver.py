@@ -12,7 +12,7 @@ and an operation's ``Work``; ``SyncRunner`` and ``AsyncRunner`` make them, with 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator, Hashable, Sequence
+from collections.abc import Generator, Sequence
 from functools import cached_property
 from typing import Any, NamedTuple, Self, TypeAlias, TypeVar
 
@@ -86,7 +86,10 @@ def transport(op: Op[T], name: str) -> Transport[T]:
 
 def _round(rnd: Round, name: str) -> Transport[list[Any]]:
     if len(rnd.calls) > 1 or rnd.atomic:
-        return _raise_first_error((yield from _sent(rnd.calls, rnd.atomic, name)), name)
+        answer = _checked((yield from _sent(rnd.calls, rnd.atomic, name)), name)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
     call = rnd.calls[0]
     try:
         try:
@@ -107,8 +110,7 @@ def _sent(
     except ResponseError as exc:
         raise scripts.map_error(exc, name) from exc
     # A SCRIPT FLUSH between the pipeline's script preload and its execution (or a cluster
-    # pipeline, which preloads nothing): those calls did nothing, so they alone are sent
-    # again, as EVAL.
+    # pipeline, which preloads nothing): those calls did nothing; they alone go again, as EVAL.
     for k, reply in enumerate(replies):
         call = calls[k]
         if isinstance(reply, NoScriptError) and not isinstance(call, list):
@@ -117,79 +119,6 @@ def _sent(
             except ResponseError as exc:
                 replies[k] = exc
     return replies
-
-
-def _batch(batch: Batch, name: str) -> Transport[dict[Any, Any]]:
-    """Every round of ``batch``: the plain ones share one pipeline (on a cluster, redis-py
-    writes each node's share before reading any reply, so the nodes work in parallel); each
-    MULTI goes alone, since a cluster cannot run one across slots. A read that several
-    operations send at once (each probing the same handle) goes once. A ``Reads`` joins the
-    shared pipeline, its commands answered one by one."""
-    same: dict[Any, Any] = {}  # a round's key -> the key of the identical read sent instead
-    reads: dict[Hashable, Any] = {}
-    alone: list[Any] = []  # MULTIs, in the batch's order
-    shared: list[Any] = []
-    many: dict[Any, Reads] = {}
-    rounds: dict[Any, Round] = {}
-    for k, rnd in batch.items():
-        if isinstance(rnd, Reads):
-            many[k] = rnd
-            continue
-        rounds[k] = rnd
-        if not rnd.atomic:
-            shared.append(k)
-            continue
-        # Probes are MULTIs; a plain read (a lookup's) is not worth comparing.
-        if all(isinstance(c, Command) or c.read_only for c in rnd.calls):
-            key = tuple(tuple(map(_frozen, c)) for c in rnd.calls)
-            if reads.setdefault(key, k) != k:
-                same[k] = reads[key]
-                continue
-        alone.append(k)
-    if len(shared) == 1 and not many:  # one plain round goes by itself, where the batch has it
-        keys = [k for k in rounds if k not in same]
-        alone, shared = keys, []
-    parts = [_round(rounds[k], name) for k in alone]
-    if shared or many:
-        calls: list[Call | Command | list[Any]] = [c for k in shared for c in rounds[k].calls]
-        for r in many.values():
-            calls += r.commands
-        parts.append(_sent(calls, False, name))
-    done = yield Parallel(parts)
-    answers = dict(zip(alone, done, strict=False))
-    if shared or many:
-        replies, start = done[-1], 0
-        failed = replies if isinstance(replies, Exception) else None
-        for k in shared:
-            count = len(rounds[k].calls)
-            if failed is not None:
-                answers[k] = failed
-            elif count == 1 and not isinstance(replies[start], Exception):
-                answers[k] = [replies[start]]  # a lookup's: nothing to look through
-            else:
-                try:
-                    answers[k] = _raise_first_error(replies[start : start + count], name)
-                except Exception as exc:
-                    answers[k] = exc
-            start += count
-        for k, r in many.items():
-            count = len(r.commands)
-            if failed is not None:
-                answers[k] = failed
-            else:  # each error as a Round of its own would have raised it
-                answers[k] = [
-                    _error(r, name) if isinstance(r, Exception) else r
-                    for r in replies[start : start + count]
-                ]
-            start += count
-    for k, sent in same.items():
-        answer = answers[sent]
-        answers[k] = answer if isinstance(answer, Exception) else list(answer)
-    return answers
-
-
-def _frozen(field: Any) -> Hashable:
-    return tuple(field) if isinstance(field, list) else field
 
 
 def _error(reply: Exception, name: str) -> Exception:
@@ -202,46 +131,71 @@ def _error(reply: Exception, name: str) -> Exception:
     return mapped
 
 
-def _raise_first_error(replies: list[Any], name: str) -> list[Any]:
+def _checked(replies: list[Any], name: str) -> list[Any] | Exception:
+    """A round's ``replies``, or the exception its first error reply raises."""
     for reply in replies:
         if isinstance(reply, Exception):
-            raise _error(reply, name)
+            return _error(reply, name)
     return replies
 
 
+def _batch(batch: Batch, name: str) -> Transport[dict[Any, Any]]:
+    """Every round of ``batch``. The plain ones and a ``Reads`` share one pipeline (on a
+    cluster, redis-py writes each node's share before reading any reply, so the nodes work
+    in parallel); but one plain round alone goes by itself, in its place. Each MULTI goes
+    alone, since a cluster cannot run one across slots; a read-only one that several
+    operations send at once (each probing the same handle) goes once."""
+    alone: dict[Any, Round] = {}  # MULTIs, in the batch's order
+    shared: dict[Any, Round | Reads] = {}
+    first: dict[str, Any] = {}  # a read's calls (as text) -> the key of the round sent
+    same: dict[Any, Any] = {}  # a round's key -> the key of the identical read sent instead
+    for k, rnd in batch.items():
+        if isinstance(rnd, Reads) or not rnd.atomic:
+            shared[k] = rnd
+            continue
+        # Probes are MULTIs; a plain read (a lookup's) is not worth comparing.
+        if all(isinstance(c, Command) or c.read_only for c in rnd.calls):
+            text = repr(rnd.calls)  # equal for equal calls (str, bytes, int, bool fields)
+            if first.setdefault(text, k) != k:
+                same[k] = first[text]
+                continue
+        alone[k] = rnd
+    if len(shared) == 1 and isinstance(next(iter(shared.values())), Round):
+        alone = {k: r for k, r in batch.items() if isinstance(r, Round) and k not in same}
+        shared = {}
+    parts: list[Transport[Any]] = [_round(rnd, name) for rnd in alone.values()]
+    if shared:
+        parts.append(_shared(shared, name))
+    done = yield Parallel(parts)
+    answers = dict(zip(alone, done, strict=False))
+    if shared:
+        answers.update(done[-1])
+    for k, sent in same.items():
+        answer = answers[sent]
+        answers[k] = answer if isinstance(answer, Exception) else list(answer)
+    return answers
+
+
+def _shared(rounds: dict[Any, Round | Reads], name: str) -> Transport[dict[Any, Any]]:
+    """Plain rounds in one pipeline: each one's replies, or the exception it raises alone
+    (never raised here). A ``Reads`` has each command answered by its reply or its error."""
+    try:
+        replies = yield from _sent([c for r in rounds.values() for c in r.calls], False, name)
+    except Exception as exc:  # the whole pipeline failed
+        return dict.fromkeys(rounds, exc)
+    answers: dict[Any, Any] = {}
+    start = 0
+    for k, rnd in rounds.items():
+        got = replies[start : start + len(rnd.calls)]
+        start += len(rnd.calls)
+        if isinstance(rnd, Reads):  # each error as a Round of its own would have raised it
+            answers[k] = [_error(r, name) if isinstance(r, Exception) else r for r in got]
+        else:
+            answers[k] = _checked(got, name)
+    return answers
+
+
 # -- the two client flavours ----------------------------------------------------------------
-
-
-def _eval_args(call: Call) -> list[Any]:
-    command = "EVAL_RO" if call.read_only else "EVAL"
-    return [command, scripts.source(call.script), len(call.keys), *call.keys, *call.args]
-
-
-def _evalsha_args(call: Call, registered: dict[str, Any]) -> list[Any]:
-    command = "EVALSHA_RO" if call.read_only else "EVALSHA"
-    return [command, registered[call.script].sha, len(call.keys), *call.keys, *call.args]
-
-
-def _queue(
-    calls: Sequence[Call | Command | list[Any]], registered: dict[str, Any], pipe: Any
-) -> None:
-    """Queue calls on a pipeline (sync or asyncio), as raw commands, without awaiting them.
-
-    For Redis Cluster pipelines (redis-py 8): awaiting what an asyncio ``ClusterPipeline``
-    returns re-initializes it and empties its queue, and the sync one refuses its ``evalsha``
-    method (not the raw command). A plain pipeline still loads the scripts before it runs; a
-    cluster pipeline's NOSCRIPT replies are re-sent as EVAL by ``transport``.
-    """
-    for call in calls:
-        if isinstance(call, list):  # a whole command (Reads)
-            pipe.execute_command(*call)
-            continue
-        if isinstance(call, Command):
-            pipe.execute_command(call.name, *call.args)
-            continue
-        if hasattr(pipe, "scripts"):
-            pipe.scripts.add(registered[call.script])
-        pipe.execute_command(*_evalsha_args(call, registered))
 
 
 class _Runner:
@@ -260,24 +214,42 @@ class _Runner:
         """One Script object per guard script, bound to this handle's client."""
         return scripts.register(self.redis)
 
-    def _target(
-        self, send: Send | SendPipeline
-    ) -> tuple[Callable[..., Any], list[Any], dict[str, Any]]:
-        """What to call for ``send`` (the runner calls it, awaiting it or not), and how."""
+    def _call(self, send: Send | SendPipeline) -> Any:
+        """The client's reply to ``send``; an awaitable of it on asyncio.
+
+        A pipeline's calls are queued as raw commands, not awaited, for Redis Cluster
+        pipelines (redis-py 8): awaiting what an asyncio ``ClusterPipeline`` returns
+        re-initializes it and empties its queue, and the sync one refuses its ``evalsha``
+        method. A plain pipeline still loads the scripts before it runs; a cluster
+        pipeline's NOSCRIPT replies are re-sent as EVAL by ``transport``."""
         client = self.redis
         if isinstance(send, SendPipeline):
             pipe = client.pipeline(transaction=send.atomic)
-            _queue(send.calls, self._scripts, pipe)
-            return pipe.execute, [], {"raise_on_error": False}
+            for call in send.calls:
+                if isinstance(call, list):  # a whole command (Reads)
+                    pipe.execute_command(*call)
+                elif isinstance(call, Command):
+                    pipe.execute_command(call.name, *call.args)
+                else:
+                    if hasattr(pipe, "scripts"):
+                        pipe.scripts.add(self._scripts[call.script])
+                    pipe.execute_command(*self._script_args(call))
+            return pipe.execute(raise_on_error=False)
         call = send.call
         if isinstance(call, Command):
-            return client.execute_command, [call.name, *call.args], {}
-        if send.as_eval:
-            return client.execute_command, _eval_args(call), {}
-        if call.read_only:
-            return client.execute_command, _evalsha_args(call, self._scripts), {}
-        kwargs = {"keys": call.keys, "args": call.args, "client": client}
-        return self._scripts[call.script], [], kwargs
+            return client.execute_command(call.name, *call.args)
+        if send.as_eval or call.read_only:
+            return client.execute_command(*self._script_args(call, send.as_eval))
+        return self._scripts[call.script](keys=call.keys, args=call.args, client=client)
+
+    def _script_args(self, call: Call, as_eval: bool = False) -> list[Any]:
+        """EVALSHA running ``call``, or EVAL with the script's source when ``as_eval``; the
+        _RO form when the call is read-only."""
+        if as_eval:
+            head = ["EVAL_RO" if call.read_only else "EVAL", scripts.source(call.script)]
+        else:
+            head = ["EVALSHA_RO" if call.read_only else "EVALSHA", self._scripts[call.script].sha]
+        return [*head, len(call.keys), *call.keys, *call.args]
 
 
 class SyncRunner(_Runner):
@@ -307,8 +279,7 @@ class SyncRunner(_Runner):
         if isinstance(send, Scan):
             return list(self.redis.scan_iter(match=send.match, count=send.page))
         if not isinstance(send, Parallel):
-            function, args, kwargs = self._target(send)
-            return function(*args, **kwargs)
+            return self._call(send)
         out: list[Any] = []
         for part in send.parts:
             try:
@@ -351,5 +322,4 @@ class AsyncRunner(_Runner):
             # connections outside the running loop, breaking every later call. Plain
             # clients and set-up clusters return at once.
             await self.redis.initialize()
-        function, args, kwargs = self._target(send)
-        return await function(*args, **kwargs)
+        return await self._call(send)

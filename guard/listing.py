@@ -2,11 +2,9 @@
 
 A filter's first key is ``PREFIX{NAME}``; shard ``i`` of a sharded filter is ``PREFIX{NAME:i}``
 (guard/sharded.py). Sub-filter keys (``…}:n``) and staging copies (``…}:staging``) end after
-the brace, so the match pattern skips them without reading a byte of any filter. Other keys
-that match (a name that is not valid UTF-8 or not a filter name) are skipped: no filter can
-have them. ``read_filters`` (``read_filters_sync``) then reads every filter's info at once,
-reporting the damaged ones (a key of another type under a filter's name, bytes that are not a
-filter) instead of failing.
+the brace, so the match pattern skips them; a match that is no filter name is skipped too.
+``read_filters`` (``read_filters_sync``) then reads every filter's info at once, reporting the
+damaged ones (a key of another type, bytes that are not a filter) instead of failing.
 """
 
 from __future__ import annotations
@@ -59,12 +57,9 @@ def list_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> list[str]:
 
 
 async def list_sharded_filters(redis: Any, prefix: str = DEFAULT_PREFIX) -> dict[str, int]:
-    """Sharded filters under ``prefix``: name → shard count, to open each one with
-    ``ShardedCuckooFilter(redis, name, prefix, shards=count)``.
-
-    The count is the highest shard index found plus one. A filter that lost its last shard
-    shows one shard fewer; opening it then fails with the count its headers record.
-    """
+    """Sharded filters under ``prefix``: name → shard count (the highest shard index found
+    plus one), to open each with ``ShardedCuckooFilter(redis, name, prefix, shards=count)``.
+    A filter that lost its last shard shows one fewer; opening it fails, naming the true one."""
     return _shard_counts(await AsyncRunner.on(redis)._drive(_tags(prefix)))
 
 
@@ -84,8 +79,7 @@ def _report(
     prefix: str, opened: Callable[[list[str]], Sequence[Facade[Any]]]
 ) -> Transport[FilterReport]:
     """The info of the filters ``opened`` makes handles for from the SCAN's tags, read side by
-    side (one round trip for all); a filter dropped since the SCAN left out. Any error but
-    damage (Redis unreachable) raises."""
+    side; a filter dropped since the SCAN left out. Any error but damage raises."""
     handles = opened((yield from _tags(prefix)))
     report = FilterReport()
     if not handles:

@@ -19,20 +19,17 @@ from guard.errors import FilterCorruptError
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
 
-# What one script call may cost Redis: none should hold it longer than about 5 ms (issue 15),
-# however full the filter. Measured by `python -m bench mutations` (docs/bench-mutations.md):
-# one kick step costs about 2 us of server CPU, an item about 7 us besides its kicks (a
-# delete or count about 7 us), on the reference machine under load.
+# No script call should hold Redis longer than about 5 ms (issue 15), however full the filter.
+# `python -m bench mutations` (docs/bench-mutations.md) measured on the reference machine under
+# load: a kick step costs about 2 us of server CPU, an item about 7 us besides its kicks.
 BATCH_CHUNK = 300  # items per count/delete script call: about 2 ms
 INSERT_CHUNK = 512  # items per insert/apply call at most (below: insert_chunk)
-# Work one insert or apply call may do, in kick steps (about 2 ms): counting each item's kick
-# steps plus ITEM_WORK for the rest of its cost, the script takes its next item only while
-# the work so far plus that item's reserve (ITEM_WORK and its max_kicks, or RESERVE_MAX if
-# less) still fits, and answers for the items it took; the client sends the rest again
-# (guard/lua/_add.lua). So a call does at most KICK_BUDGET steps when max_kicks is at most
-# RESERVE_MAX (the default 500 is), else RESERVE_MAX plus one item's chain: a filter with long
-# chains still takes batches at a low load. The first item always goes: one chain of
-# max_kicks steps (at most 4000, about 5 ms) is the least a call can be cut to.
+# An insert or apply call's work, in kick steps (about 2 ms). Counting ITEM_WORK per item plus
+# its kick steps, the script takes its next item only while that item's reserve (ITEM_WORK +
+# min(max_kicks, RESERVE_MAX)) still fits what is left; the client sends the rest again
+# (guard/lua/_add.lua). So a call does at most KICK_BUDGET steps when max_kicks <= RESERVE_MAX
+# (the default 500 is), else RESERVE_MAX plus one chain, so long chains still take batches at a
+# low load. The first item always goes: one chain (max_kicks <= 4000, about 5 ms) is the floor.
 KICK_BUDGET = 1000
 RESERVE_MAX = KICK_BUDGET // 2
 ITEM_WORK = 4  # an item's cost besides its kicks, in kick steps
@@ -91,10 +88,10 @@ class Work(NamedTuple):
 
 class Reads(NamedTuple):
     """Plain commands, each whole (its name first), sent with a batch's other plain rounds
-    and answered in place: each by its reply, or the exception it met (never raised). What
-    ``lockstep`` sends for its ``OneCommand`` operations, with no Round or Command each."""
+    and each answered by its reply or the exception it met (never raised): ``lockstep``'s
+    ``OneCommand`` operations, with no Round or Command each."""
 
-    commands: list[list[Any]]
+    calls: list[list[Any]]
 
 
 # Rounds sent together, by key; the answer maps each key to its replies or to the exception
@@ -106,12 +103,10 @@ MakeOp = TypeVar("MakeOp", bound=Callable[..., Op[Any]])
 
 class OneCommand:
     """An operation that, when all goes as expected, is one plain command and a look at its
-    reply (a single lookup queued in a pipeline, guard/filter.py), which ``lockstep`` runs
-    with no generator, Round or Command: those, one each per item and alive until the
-    replies come, made the garbage collector run in every pipeline of 100.
-
-    ``start`` and ``finish`` may each hand over to an operation (a generator, not started)
-    that goes on as the generator this stands for would have."""
+    reply (a single lookup queued in a pipeline, guard/filter.py). ``lockstep`` runs it with
+    no generator, Round or Command: those, one each per item alive until the replies came,
+    made the garbage collector run in every pipeline of 100. ``start`` and ``finish`` may
+    hand over to an operation (a generator, not started) that goes on from there."""
 
     __slots__ = ()
 
@@ -137,17 +132,15 @@ def lockstep(
 ) -> Op[dict[K, Any]]:
     """Run ``ops`` side by side: each step's rounds go out as one batch, so N operations
     cost the round trips of the longest, not the sum. Returns each one's result, or the
-    exception it raised (one failing does not stop the others).
+    exception it raised (one failing does not stop the others). ``check(key)``, after each
+    step of an operation, may stop it with an exception of its own (a sharded filter stops a
+    shard whose routing went stale before anything is sent).
 
-    ``check(key)``, after each step of an operation, may stop it with an exception of its
-    own (a sharded filter stops a shard whose routing went stale before anything is sent).
-
-    A ``OneCommand`` runs here without a generator until it hands over to one. When a step
-    holds nothing else, the commands of several go as one ``Reads``; else each goes as a
-    Round in its place, so a pipeline still sends everything in the operations' order.
+    A ``OneCommand`` runs without a generator until it hands over to one. Several alone in a
+    step go as one ``Reads``; else each goes as a Round in its place, in the operations' order.
     """
     # One loop, no helper per step: a pipeline of single lookups runs it once per item, and
-    # every Python call here is a share of what the library adds to each lookup.
+    # every Python call here adds to each lookup's cost.
     results: dict[K, Any] = {}
     running: dict[K, Any] = dict(ops)  # a OneCommand until it finishes or hands over
     answers: dict[K, Any] = dict.fromkeys(ops)  # None: not started (send(None) starts it)
@@ -181,9 +174,7 @@ def lockstep(
             except Exception as exc:
                 results[key] = exc
                 continue
-            if isinstance(request, Work):
-                # A bulk build writes with plain commands, which a batch takes for reads (and
-                # sends once when several operations send the same): it runs by itself.
+            if isinstance(request, Work):  # a bulk build: in a batch, its writes pass for reads
                 op.close()
                 results[key] = TypeError("bulk_load runs on its handle, not in a pipeline")
                 continue
@@ -233,9 +224,9 @@ def _finish(
     results: dict[K, Any],
     running: dict[K, Any],
 ) -> dict[Any, Any]:
-    """``lockstep``'s OneCommands of one step, given their replies (taken out of
-    ``answers``): each one's result, or the operation it hands over to, which starts in the
-    next step, in its place among the others. Returns the next step's answers."""
+    """``lockstep``'s OneCommands of one step, given their replies (taken out of ``answers``):
+    each one's result, or the operation it hands over to, which starts next step in its place
+    among the others. Returns the next step's answers."""
     got = answers.pop(_READS, None)
     if got is None:  # one Round each: [reply], or the exception its round met
         replies = [
