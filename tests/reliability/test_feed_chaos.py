@@ -180,37 +180,37 @@ def new_keys(tag: str, n: int = 100) -> list[str]:
     return [f"{tag}-{i}" for i in range(n)]
 
 
+def written(svc: Guarded, prober: Prober, tag: str) -> Callable[[], Awaitable[None]]:
+    """A write a fault makes while it happens: new rows through the service, which the
+    prober then expects to find."""
+    rows = new_keys(tag)
+
+    async def write() -> None:
+        await svc.put(rows)
+        prober.add(rows)
+
+    return write
+
+
 class TestRedisLosesChanges:
     """Redis gives back an older filter, or none: its id shows it is behind."""
 
     @BOTH_DATABASES
     async def test_restarted_from_an_older_rdb(self, chaos: Chaos, start: Start) -> None:
         svc = await start(chaos.url)
-
-        async def fault(prober: Prober) -> float:
-            rows = new_keys("after-save")
-
-            async def write() -> None:
-                await svc.put(rows)
-                prober.add(rows)
-
-            return await chaos.older_rdb(write)
-
-        await survive(svc, fault, {ROLLED_BACK, BEHIND})
+        await survive(
+            svc,
+            lambda prober: chaos.older_rdb(written(svc, prober, "after-save")),
+            {ROLLED_BACK, BEHIND},
+        )
 
     async def test_replica_promoted_while_behind(self, failover: Failover, start: Start) -> None:
         svc = await start(failover.url)
-
-        async def fault(prober: Prober) -> float:
-            rows = new_keys("unreplicated")
-
-            async def write() -> None:
-                await svc.put(rows)
-                prober.add(rows)
-
-            return await failover.promote_behind(write)
-
-        await survive(svc, fault, {ROLLED_BACK, BEHIND})
+        await survive(
+            svc,
+            lambda prober: failover.promote_behind(written(svc, prober, "unreplicated")),
+            {ROLLED_BACK, BEHIND},
+        )
 
     async def test_filter_key_deleted(self, chaos: Chaos, start: Start) -> None:
         svc = await start(chaos.url)
@@ -218,17 +218,11 @@ class TestRedisLosesChanges:
 
     async def test_replaced_by_an_older_copy(self, chaos: Chaos, start: Start) -> None:
         svc = await start(chaos.url)
-
-        async def fault(prober: Prober) -> float:
-            rows = new_keys("after-copy")
-
-            async def write() -> None:
-                await svc.put(rows)
-                prober.add(rows)
-
-            return await chaos.older_copy(write)
-
-        await survive(svc, fault, {ROLLED_BACK, BEHIND})
+        await survive(
+            svc,
+            lambda prober: chaos.older_copy(written(svc, prober, "after-copy")),
+            {ROLLED_BACK, BEHIND},
+        )
 
     async def test_redis_back_empty(self, chaos: Chaos, start: Start) -> None:
         svc = await start(chaos.url)
