@@ -36,11 +36,7 @@ async def create_database(prefix: str) -> str:
     name = f"{prefix}{uuid.uuid4().hex[:12]}"
     if not NAME.fullmatch(name):
         raise ValueError(f"database prefix must be lower-case letters, digits, _: {prefix!r}")
-    conn = await asyncpg.connect(server_url(), timeout=10)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
+    await _on_server(f'CREATE DATABASE "{name}"')
     return database_url(name)
 
 
@@ -49,9 +45,15 @@ async def drop_database(url: str) -> None:
     name = urlsplit(url).path.lstrip("/")
     if not NAME.fullmatch(name):
         raise ValueError(f"not a database this module creates: {name!r}")
+    await _on_server(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def _on_server(statement: str) -> None:
+    """One statement on the maintenance database (CREATE / DROP DATABASE run outside a
+    transaction, on a connection to another database)."""
     conn = await asyncpg.connect(server_url(), timeout=10)
     try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await conn.execute(statement)
     finally:
         await conn.close()
 
