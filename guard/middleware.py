@@ -82,6 +82,10 @@ class GuardMiddleware:
     ) -> None:
         self.app = app
         self.filter = filter
+        # A handle, or a function of the request that gives one: decided once, not per request.
+        self._filter_of: Callable[[Scope], Lookup | None] = (
+            (lambda scope: filter) if hasattr(filter, "lookup") else filter  # type: ignore[assignment,return-value]
+        )
         self.paths = [re.compile(p) if isinstance(p, str) else p for p in paths]
         self.key = key
         self.methods = frozenset(m.upper() for m in methods)
@@ -128,8 +132,7 @@ class GuardMiddleware:
         return None
 
     async def _decide(self, scope: Scope, key: str) -> str:
-        source = self.filter
-        cf = source if hasattr(source, "lookup") else source(scope)  # type: ignore[operator]
+        cf = self._filter_of(scope)
         if cf is None:
             return BYPASSED
         if self.breaker.open:
