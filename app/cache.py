@@ -1,4 +1,12 @@
-"""The records' read-through cache in Redis, with single-flight loads from the database."""
+"""The records' read-through cache in Redis, with single-flight loads from the database.
+
+Negative entries ("no such row", for keys the filter let through: its false positives) and,
+when GUARD_CACHE_TTL is set, the rows themselves. Both follow the change feed: every insert,
+delete and key change applied to the filter drops the key's entries first (``changed``), in
+every process, whoever wrote it. UPDATEs of other columns are not in the feed (logging them
+would cost every writer of the table: docs/postgresql.md), which is why rows are cached only
+on request.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +14,18 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from app.db import Database
 from app.metrics import Metrics
 from app.redis_conn import FlushSafeScript
 from app.settings import Settings
 from guard.breaker import RedisBreaker
+from guard.changes import Change
 from guard.errors import RedisUnreachable
 
 log = logging.getLogger(__name__)
@@ -33,6 +43,18 @@ local seen = redis.call('GET', KEYS[1]) or ''
 if seen ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
 return 1
+"""
+
+# KEYS: version counter 1, cache entry 1, version counter 2, entry 2, ...
+# ARGV[1]: the counters' TTL in milliseconds. Reply: the number of keys.
+# Bumps each version (a load in flight won't cache what it read) and drops each entry.
+_FORGET = """
+for i = 1, #KEYS, 2 do
+  redis.call('INCR', KEYS[i])
+  redis.call('PEXPIRE', KEYS[i], ARGV[1])
+  redis.call('DEL', KEYS[i + 1])
+end
+return #KEYS / 2
 """
 
 
@@ -82,7 +104,15 @@ class RecordCache:
         self.breaker = breaker
         self._prefix = f"{settings.key_prefix}app:cache:"
         self._set_if_unchanged = FlushSafeScript(redis, _SET_IF_UNCHANGED)
+        self._forget = FlushSafeScript(redis, _FORGET)
         self._flight = SingleFlight()
+        # A cluster takes a script's keys from one slot only; records spread over slots.
+        self._cluster = isinstance(redis, RedisCluster)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is cached at all (negative entries or rows)."""
+        return self.settings.negative_ttl > 0 or self.settings.cache_ttl > 0
 
     def _keys(self, key: str) -> tuple[str, str]:
         # Hash tag on the record key: both keys share a slot, records spread over the cluster.
@@ -94,7 +124,7 @@ class RecordCache:
         version_key, cache_key = self._keys(key)
         version: bytes | str | None = UNKNOWN
         cached = None
-        if not self.breaker.open:
+        if self.enabled and not self.breaker.open:
             try:
                 version, cached = await self.redis.mget(version_key, cache_key)
             except RedisUnreachable:
@@ -123,6 +153,8 @@ class RecordCache:
         else:
             ttl = self.settings.cache_ttl
             entry = b"+" + raw.encode()
+        if ttl <= 0:
+            return raw
         try:
             await self._set_if_unchanged(
                 keys=[version_key, cache_key], args=[version or b"", max(1, int(ttl * 1000)), entry]
@@ -145,6 +177,23 @@ class RecordCache:
             pipe.pexpire(version_key, _VERSION_TTL_MS)
             pipe.delete(cache_key)
             await pipe.execute()
+
+    async def changed(self, changes: Sequence[Change]) -> None:
+        """Before the filter applies `changes`: drop their keys' entries, and bump their
+        versions so that a load in flight does not cache what it read before the change."""
+        keys: list[str] = []
+        for change in changes:
+            item = change.item
+            keys.extend(self._keys(item if isinstance(item, str) else item.decode()))
+        if self._cluster:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for version_key, cache_key in zip(keys[::2], keys[1::2], strict=True):
+                    pipe.incr(version_key)
+                    pipe.pexpire(version_key, _VERSION_TTL_MS)
+                    pipe.delete(cache_key)
+                await pipe.execute()
+        elif keys:
+            await self._forget(keys=keys, args=[_VERSION_TTL_MS])
 
     async def written(self, key: str) -> None:
         """After a write of `key` committed: loads started without Redis (version unknown)

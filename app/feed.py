@@ -1,15 +1,15 @@
-"""The records filter follows the database's change log: replay in id order, and a follower.
+"""The records filter follows the database's change feed: replay in order, and a follower.
 
-Every Database keeps a trigger-maintained log of the guarded table's changes, with gapless ids
-that commit in id order (app/db). The filter stores the id of the last change it applied
-(guard/changes.py), so following the log is: read the changes after the filter's ``applied``,
-apply them with ``apply_changes``, which skips whatever an earlier call already applied. A
-follower that crashes and replays, or two followers (two service workers, ``guard follow``)
-working at once, apply each change exactly once.
+Every Database gives each committed change of the guarded table a gapless position, in commit
+order for changes of one key (app/db). The filter stores the position of the last change it
+applied (guard/changes.py), so following the feed is: read the changes after the filter's
+``applied``, apply them with ``apply_changes``, which skips whatever an earlier call already
+applied. A follower that crashes and replays, or two followers (two service workers, ``guard
+follow``) working at once, apply each change exactly once.
 
-``replay`` is that loop, used by service writes (to close a gap before their own change), by
-rebuilds (to bring a staging copy from its snapshot to now) and by the ``Follower``, which
-runs it whenever the database reports a new change and compacts the log behind itself.
+``replay`` is that loop, used by rebuilds (to bring a staging copy from its snapshot to now)
+and by the ``Follower``, which runs it whenever the database reports a new change, for a
+service write that waits for its own change (``sync``), and compacts the log behind itself.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 from app.db import Database
 from app.settings import Settings
 from guard import ChangeSourceError, CuckooFilter, FilterNotFoundError
+from guard.changes import Change
 
 log = logging.getLogger(__name__)
 
@@ -62,28 +63,11 @@ class OtherSource(NeedsRebuild):
         self.filter = error.filter
 
 
-class FilterDiverged(NeedsRebuild):
-    """The filter recorded a change the database rolled back (an undo that Redis did not
-    take): its ``applied`` claims an id the database has since given to another change."""
-
-    def __init__(self, name: str, change_id: int) -> None:
-        super().__init__(
-            f"filter {name!r} had already applied change {change_id} when a write made it: "
-            "a rolled-back change was never undone; rebuild it from the table"
-        )
-        self.filter, self.change_id = name, change_id
-
-
-@dataclass
-class FeedState:
-    """What this process knows about the filter that its bytes cannot tell: set by a write
-    that found its own change already applied, cleared by a rebuild."""
-
-    diverged: FilterDiverged | None = None
-    # Awaited with the filter's id whenever a replay starts from it, before it mends
-    # anything: the watchdog (app/watchdog.py) sees an id that went back (a filter restored
-    # from an older copy) that the replay would otherwise repair unnoticed.
-    observe: Callable[[int], Awaitable[None]] | None = None
+# Awaited with the filter's ``applied`` as a replay read it, before anything after it is applied
+# (the watchdog judges an id that went back before the replay mends it).
+Observer = Callable[[int], Awaitable[None]]
+# Awaited with each batch of changes before it is applied (the caches drop what it changes).
+BeforeApply = Callable[[list[Change]], Awaitable[None]]
 
 
 async def applied_of(cf: CuckooFilter) -> int:
@@ -101,11 +85,12 @@ async def replay(
     *,
     batch: int,
     upto: int | None = None,
-    observe: Callable[[int], Awaitable[None]] | None = None,
+    observe: Observer | None = None,
     after: int | None = None,
+    before_apply: BeforeApply | None = None,
 ) -> int:
-    """Apply the log's committed changes after ``cf``'s ``applied``, in batches, up to
-    ``upto`` (None: until the log has no more); return the filter's ``applied``.
+    """Apply the feed's committed changes after ``cf``'s ``applied``, in batches, up to
+    ``upto`` (None: until the feed has no more); return the filter's ``applied``.
 
     Raises FilterMissing, OtherSource, or ReplayImpossible when the log was compacted past
     the filter's id. Another caller applying the same changes meanwhile is harmless: the
@@ -113,7 +98,8 @@ async def replay(
     this read the log again from the filter's id. ``after``: where the filter stood a moment
     ago, read from the log without asking the filter first (a wrong guess costs a gap).
     ``observe`` is awaited with the filter's id each time it is read from the filter (at the
-    start, or from a gap), before anything is applied after it.
+    start, or from a gap), before anything is applied after it. ``before_apply`` is awaited
+    with each batch before it is applied.
     """
     applied = await applied_of(cf) if after is None else after
     if observe is not None and after is None:
@@ -127,13 +113,15 @@ async def replay(
             if applied + 1 < oldest:
                 raise ReplayImpossible(cf.name, applied, oldest)
             if not changes:
-                return applied
+                return applied  # the end of the feed
             # Compacted between the two reads: the next read tells. A log that keeps
             # answering out of order is broken, not racing.
             rereads += 1
             if rereads > 3:
                 raise RuntimeError(f"change log answered change {changes[0].id} after {applied}")
             continue
+        if before_apply is not None:
+            await before_apply(changes)
         try:
             result = await cf.apply_changes(changes, source=source)
         except ChangeSourceError as exc:
@@ -143,21 +131,25 @@ async def replay(
         applied = result.applied
         if result.gap and observe is not None:
             await observe(applied)
-        if upto is None and not result.gap and len(changes) < limit:
-            return applied  # the end of the log as it was read
     return applied
 
 
 class Follower:
-    """Keeps one filter on the change log: ``run()`` applies each change as the database
+    """Keeps one filter on the change feed: ``run()`` applies each change as the database
     reports it (``wait_for_change``), and compacts the log behind the filter.
 
-    ``catch_up()`` is the one-shot form (the watchdog's repair). ``problem`` is the reason
-    the last attempt could not follow the log (a NeedsRebuild or any other exception), None
-    when it could. ``pinned`` answers the id a running rebuild's snapshot still needs (the
-    log is never compacted past it), None when no rebuild runs. ``on_needs_rebuild``, when
-    given, is awaited with the reason whenever the filter cannot follow (``guard follow``
-    rebuilds there; in the service the watchdog decides).
+    ``sync()`` returns once every change committed before the call is applied (a service
+    write waits for its own change with it; callers at once share one round). ``catch_up()``
+    is the same from the filter's own id (the watchdog's repair). ``problem`` is the reason
+    the last attempt could not follow the feed (a NeedsRebuild or any other exception), None
+    when it could. ``pinned`` answers the position a running rebuild's snapshot still needs
+    (the log is never compacted past it), None when no rebuild runs.
+    ``on_needs_rebuild``, when given, is awaited with the reason whenever the filter cannot
+    follow (``guard follow`` rebuilds there; in the service the watchdog decides).
+    ``watch(observer)`` registers who sees the filter's id as each replay reads it, and
+    ``on_failure(callback)`` who hears at once of a round that failed (the watchdog stops
+    trusting a filter that cannot take a change); ``before_apply`` is awaited with each batch
+    before it is applied.
     """
 
     def __init__(
@@ -165,22 +157,47 @@ class Follower:
         cf: CuckooFilter,
         db: Database,
         settings: Settings,
-        state: FeedState | None = None,
         pinned: Callable[[], Awaitable[int | None]] | None = None,
         on_needs_rebuild: Callable[[NeedsRebuild], Awaitable[None]] | None = None,
+        before_apply: BeforeApply | None = None,
     ) -> None:
         self.cf = cf
         self.db = db
         self.batch = settings.feed_batch
         self.retain = settings.feed_retain
         self.compact_every = settings.feed_compact_interval
-        self.state = state if state is not None else FeedState()
         self.pinned = pinned
         self.on_needs_rebuild = on_needs_rebuild
+        self.before_apply = before_apply
         self.problem: Exception | None = None
-        self.applied = 0  # the filter's id after the last successful catch-up
+        self.applied = 0  # the filter's id after the last successful round
         self.compacted = 0  # the log was compacted up to this id (by this follower)
         self._source: int | None = None
+        self._observers: list[Observer] = []
+        self._failure_callbacks: list[Callable[[Exception], Awaitable[None]]] = []
+        # Rounds: one at a time; a caller of sync() waits for one that began after its call.
+        self._round = asyncio.Lock()
+        self._rounds_begun = 0
+        self._rounds_done = 0
+
+    @asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """No round of this follower runs during the block (a rebuild's promote)."""
+        async with self._round:
+            yield
+
+    def watch(self, observer: Observer) -> None:
+        """``observer(applied)`` is awaited whenever a replay reads the filter's id, before it
+        applies anything after it."""
+        self._observers.append(observer)
+
+    def on_failure(self, callback: Callable[[Exception], Awaitable[None]]) -> None:
+        """``callback(exc)`` is awaited when a round fails, before the failure is raised."""
+        self._failure_callbacks.append(callback)
+
+    async def _observe(self, applied: int) -> None:
+        for observer in self._observers:
+            await observer(applied)
 
     async def source(self) -> int:
         if self._source is None:
@@ -188,24 +205,45 @@ class Follower:
         return self._source
 
     async def catch_up(self) -> int:
-        """Apply every change committed now; return the filter's ``applied``. Raises a
-        NeedsRebuild (FilterMissing, ReplayImpossible, OtherSource, FilterDiverged) when the
-        filter cannot follow the log."""
-        return await self._catch_up(None)
+        """Apply every change committed now, reading the filter's id first; return the
+        filter's ``applied``. Raises a NeedsRebuild (FilterMissing, ReplayImpossible,
+        OtherSource) when the filter cannot follow the feed."""
+        return await self._sync(from_filter=True)
 
-    async def _catch_up(self, after: int | None) -> int:
-        if self.state.diverged is not None:
-            raise self.state.diverged
+    async def sync(self) -> int:
+        """Return once every change committed before this call is applied (the filter's
+        ``applied`` then); raises as catch_up() does."""
+        return await self._sync(from_filter=False)
+
+    async def _sync(self, *, from_filter: bool) -> int:
+        wanted = self._rounds_begun + 1  # a round that begins after this call
+        async with self._round:
+            if self._rounds_done >= wanted and not from_filter:
+                return self.applied
+            self._rounds_begun += 1
+            begun = self._rounds_begun
+            try:
+                await self._one_round(None if from_filter or self.problem else self.applied)
+            except Exception as exc:
+                for callback in self._failure_callbacks:
+                    await callback(exc)
+                raise
+            self._rounds_done = begun
+            return self.applied
+
+    async def _one_round(self, after: int | None) -> None:
+        """Apply the changes up to the newest one (ticked now), starting from ``after`` (where
+        the filter stood after our last round) or, if None, from the filter's own id."""
         source = await self.source()
+        newest = await self.db.newest_change()
         try:
             self.applied = await replay(
-                self.cf, self.db, source, batch=self.batch, observe=self.state.observe,
-                after=after,
+                self.cf, self.db, source, batch=self.batch, upto=newest, after=after,
+                observe=self._observe, before_apply=self.before_apply,
             )  # fmt: skip
         except OtherSource:
             self._source = None  # read again next time: the log may have been re-installed
             raise
-        return self.applied
 
     async def compact(self) -> int:
         """Delete log rows the filter has passed, keeping the newest GUARD_FEED_RETAIN of
@@ -225,22 +263,22 @@ class Follower:
         return deleted
 
     async def run(self) -> None:
-        """Follow the log until cancelled; failures are logged once each and retried."""
+        """Follow the feed until cancelled; failures are logged once each and retried."""
         last_compaction = 0.0
         woken = False
         while True:
             _stop_if_cancelled()
             try:
-                # Woken by a change: read the log from where the filter stood after our last
-                # call (one round trip less per change). Otherwise (a timeout, a failure)
+                # Woken by a change: read the feed from where the filter stood after our last
+                # round (one round trip less per change). Otherwise (a timeout, a failure)
                 # ask the filter: it may have been restored from an older copy meanwhile.
-                applied = await self._catch_up(self.applied if woken else None)
+                applied = await (self.sync() if woken else self.catch_up())
                 if time.monotonic() - last_compaction >= self.compact_every:
                     last_compaction = time.monotonic()
                     await self.compact()
                 _stop_if_cancelled()
                 if self.problem is not None:
-                    log.info("filter %s follows the change log again (at %d)", self.cf.name,
+                    log.info("filter %s follows the change feed again (at %d)", self.cf.name,
                              applied)  # fmt: skip
                     self.problem = None
                 woken = await self.db.wait_for_change(applied, IDLE_WAIT_S)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from importlib.resources import files
 from typing import Any
@@ -17,28 +17,24 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 
 from app import errors
-from app.db import Database, DatabaseSetupError, open_database
+from app.db import DatabaseSetupError, open_database
 from app.deps import FilterHandles
-from app.feed import Follower
 from app.idempotency import Idempotency
 from app.input import BodyLimitMiddleware, Utf8Middleware
 from app.metrics import Metrics, RequestMetricsMiddleware
 from app.openapi import document_limits
-from app.records import RebuildInProgress, RecordStore
+from app.records import RecordStore
 from app.redis_conn import open_redis
 from app.routes import dashboard, filters, health, records
 from app.routing import add_routes
 from app.settings import Settings, describe, startup_problem, weak_api_key
-from app.watchdog import Watchdog, WatchdogSettings
+from app.tasks import cancel
 from guard.breaker import RedisBreaker
-from guard.errors import RedisUnreachable
 from guard.middleware import GuardMiddleware
 
 log = logging.getLogger("app")
 
 __all__ = ["ConfigError", "app", "create_app", "weak_api_key"]
-
-REBUILD_RETRY_S = 5.0
 
 # Swagger UI and ReDoc as the fastapi-offline package ships them: /docs works offline (FastAPI's
 # defaults load them from a CDN).
@@ -56,64 +52,6 @@ def _records_stale(scope: Any) -> bool:
     """Whether the watchdog finds the records filter behind the table."""
     watchdog = scope.get("state", {}).get("watchdog")
     return watchdog is not None and watchdog.stale
-
-
-async def _start_watchdog(
-    cfg: Settings,
-    store: RecordStore,
-    follower: Follower,
-    db: Database,
-    metrics: Metrics,
-    stack: AsyncExitStack,
-) -> Watchdog:
-    watchdog = Watchdog(
-        store.filter,
-        db,
-        rebuild=store.rebuild,
-        catch_up=follower.catch_up,
-        diverged=lambda: store.state.diverged,
-        settings=WatchdogSettings(
-            interval=cfg.watchdog_interval,
-            max_lag=cfg.watchdog_max_lag,
-            audit_interval=cfg.audit_interval,
-            audit_sample=cfg.audit_sample,
-        ),
-        metrics=metrics,
-    )
-    # A replay about to mend a rolled-back filter shows the watchdog its id first.
-    store.state.observe = watchdog.observe
-    await watchdog.start()
-    stack.push_async_callback(_cancel, asyncio.create_task(watchdog.run()))
-    return watchdog
-
-
-async def _rebuild_once(store: RecordStore) -> bool:
-    """One start-up rebuild attempt; False when Redis is unreachable."""
-    try:
-        await store.rebuild()
-    except RebuildInProgress:
-        log.info("records filter: another process is rebuilding it")
-    except RedisUnreachable as exc:
-        log.warning(
-            "records filter rebuild failed (%r); retrying every %.0f s", exc, REBUILD_RETRY_S
-        )
-        return False
-    return True
-
-
-async def _rebuild_until_done(store: RecordStore) -> None:
-    """Keep trying in the background while Redis is down (the guard fails open meanwhile,
-    so the service stays usable; readers never see the half-built filter)."""
-    while True:
-        await asyncio.sleep(REBUILD_RETRY_S)
-        try:
-            await store.rebuild()
-            log.info("records filter rebuilt after Redis came back")
-            return
-        except RebuildInProgress:
-            return
-        except RedisUnreachable:
-            continue
 
 
 class ConfigError(RuntimeError):
@@ -204,21 +142,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             sampler = asyncio.create_task(
                 dashboard.sample(history, lambda: dashboard.counters(metrics, db))
             )
-            stack.push_async_callback(_cancel, sampler)
-            store = RecordStore(redis, db, cfg, metrics, breaker, clients.admin)
-            if cfg.rebuild_on_startup and not await _rebuild_once(store):
-                task = asyncio.create_task(_rebuild_until_done(store))
-                stack.push_async_callback(_cancel, task)
-            # Rows written behind the service's back reach the filter (app/feed.py).
-            follower = store.follower() if cfg.feed else None
-            if follower is not None:
-                stack.push_async_callback(_cancel, asyncio.create_task(follower.run()))
-            watchdog = None
-            if cfg.watchdog:
-                # Its repair replays with a follower of its own when the feed is off here
-                # (`guard follow` elsewhere): applying a change twice is harmless.
-                repairer = follower or store.follower()
-                watchdog = await _start_watchdog(cfg, store, repairer, db, metrics, stack)
+            stack.push_async_callback(cancel, sampler)
+            # The records subsystem: filter, caches, follower, watchdog, rebuilds (app/records.py).
+            store = await stack.enter_async_context(
+                RecordStore.running(redis, db, cfg, metrics, breaker, clients.admin)
+            )
             yield {
                 "redis": redis,
                 "admin_redis": clients.admin,
@@ -227,8 +155,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 ),
                 "db": db,
                 "records": store,
-                "follower": follower,
-                "watchdog": watchdog,
+                "follower": store.follower if cfg.feed else None,
+                "watchdog": store.watchdog,
                 "idempotency": Idempotency(
                     redis, cfg.key_prefix, cfg.idempotency_ttl, cfg.idempotency_wait
                 ),
@@ -308,17 +236,6 @@ def _add_docs(app: FastAPI, settings: Settings) -> None:
             redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png",
             with_google_fonts=False,
         )
-
-
-async def _cancel(task: asyncio.Task[None]) -> None:
-    # Cancelled again until it ends: a cancellation can be lost in a library call racing its
-    # own timeout (Python 3.11), and a loop that goes on would hold the shutdown forever.
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=1.0)
-    if not task.cancelled():
-        with suppress(Exception):
-            task.result()  # retrieved: a task's failure at shutdown is not news
 
 
 app = create_app()

@@ -123,7 +123,7 @@ class Metrics:
         self.audit_keys = Counter(
             "guard_audit_keys",
             "Existing keys the watchdog's audit looked up; result: found or missed (a miss "
-            "is then confirmed under the write barrier)",
+            "is then confirmed against a snapshot of the table)",
             ["filter", "result"],
             registry=r,
         )

@@ -1,5 +1,5 @@
 """Rebuilding the records filter from its table: a bulk build of one snapshot, brought up to
-date from the change log, promoted under the database's write barrier."""
+date from the change feed, promoted once it has every change the live filter has."""
 
 from __future__ import annotations
 
@@ -7,23 +7,27 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import LockError
 
 from app.db import Database
-from app.feed import FeedState, replay
+from app.feed import BeforeApply, replay
 from app.redis_conn import FlushSafeLock
 from app.settings import Settings
-from guard import CuckooFilter, FilterInfo
+from guard import CuckooFilter, FilterInfo, StagingBehindError
 from guard.errors import RedisUnreachable
 
 log = logging.getLogger(__name__)
 
 LOCK_S = 600  # a rebuild's lock (and its snapshot mark) lapse this long after its last sign
 READ_AHEAD = 64  # pages of keys read from the database ahead of the builder
+# Promote attempts refused because a follower of another process moved the live filter on
+# (each is followed by a replay to where it stands); then one more that replaces it anyway.
+PROMOTE_ATTEMPTS = 50
 
 
 class RebuildInProgress(Exception):
@@ -33,26 +37,35 @@ class RebuildInProgress(Exception):
 class Rebuild:
     """Builds the filter from the table into its staging copy and swaps it in atomically.
 
-    1. ``iter_keys`` gives the keys of one snapshot and the id of the newest change in it;
-       the bulk builder (guard/bulk.py) makes the staging copy from them, with that id as its
-       ``applied`` and the log's ``source`` in its header;
-    2. the copy applies the changes logged since, from the log, while writers go on;
-    3. under the write barrier (no write transaction open, in any process) it applies the
-       last ones and is promoted: it is then exactly the table, and stands at its newest id.
+    1. ``iter_keys`` gives the keys of one snapshot and the position of the newest change in
+       it; the bulk builder (guard/bulk.py) makes the staging copy from them, with that
+       position as its ``applied`` and the feed's ``source`` in its header;
+    2. the copy applies the changes fed since, while writers go on (nothing holds them off);
+    3. it is promoted with ``unless_behind``: the script refuses while the live filter (which
+       followers keep moving) has applied more of the feed than the copy, and the copy
+       catches up and tries again. The promoted copy has every change the live filter had.
 
-    Writers change only the live filter, readers read only it, until the promote: no present
-    key reads as absent at any point. Adds and deletes made during the build are both in the
-    log, so both reach the new filter. While a rebuild runs, its snapshot id is kept in Redis
-    (``pinned()``) so that no follower compacts the log past what the copy still needs.
+    Writers and readers use only the live filter until the promote: no present key reads as
+    absent at any point. ``paused()`` holds this process's follower between rounds while the
+    copy catches up and is promoted (another process's follower is what the refusal is for).
+    While a rebuild runs, its snapshot's position is kept in Redis (``pinned()``) so that no
+    follower compacts the log past what the copy still needs.
     """
 
     def __init__(
-        self, admin: aioredis.Redis, db: Database, settings: Settings, state: FeedState
+        self,
+        admin: aioredis.Redis,
+        db: Database,
+        settings: Settings,
+        *,
+        paused: Callable[[], AbstractAsyncContextManager[Any]] = nullcontext,
+        before_apply: BeforeApply | None = None,
     ) -> None:
         self.admin = admin  # a whole filter is written: the admin client's timeout
         self.db = db
         self.settings = settings
-        self.state = state
+        self.paused = paused
+        self.before_apply = before_apply
         prefix = settings.key_prefix
         self.filter = CuckooFilter(admin, settings.records_filter, prefix=prefix)
         self.staging = self.filter.staging()
@@ -125,17 +138,36 @@ class Rebuild:
             )
         finally:
             await _close(pages)
-        # Most of what was written meanwhile, without holding writers off.
-        await replay(self.staging, db, source, batch=cfg.feed_batch)
-        async with db.write_barrier():
-            await replay(self.staging, db, source, batch=cfg.feed_batch)
-            await self.staging.promote()
+        await self._promote(source)
         await self.admin.delete(self.snapshot_key)
-        self.state.diverged = None  # whatever was wrong went with the old filter
         log.info(
             "filter %s rebuilt from %d rows (capacity %d, at change %d)",
             self.filter.name, rows, capacity, snapshot,
         )  # fmt: skip
+
+    async def _promote(self, source: int) -> None:
+        """Bring the copy up to the feed's newest change and promote it, unless the live
+        filter has applied more meanwhile; then catch up to where it stands and try again. A
+        live filter that stands past every change the feed has (the database lost commits)
+        is replaced as it is."""
+
+        async def catch_up(upto: int | None = None) -> int:
+            return await replay(
+                self.staging, self.db, source, batch=self.settings.feed_batch, upto=upto,
+                before_apply=self.before_apply,
+            )  # fmt: skip
+
+        await catch_up()  # most of what was written meanwhile, before pausing anything
+        async with self.paused():
+            for _ in range(PROMOTE_ATTEMPTS):
+                await catch_up()
+                try:
+                    await self.staging.promote(unless_behind=True)
+                    return
+                except StagingBehindError as exc:
+                    if await catch_up(exc.live_applied) < exc.live_applied:
+                        break  # the live filter is ahead of the database itself
+            await self.staging.promote()
 
     async def _abort(self) -> None:
         # Writers never touch the staging copy: it goes without holding them off.

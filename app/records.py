@@ -1,32 +1,49 @@
-"""Guarded records: reads through the cache, writes that keep the filter in step, rebuilds.
+"""Guarded records: reads through the cache, writes the filter follows, rebuilds, the watchdog.
 
-Each job has its module: app/cache.py (read-through cache, single-flight loads),
-app/filter_writes.py (the filter's change inside each write's transaction), app/rebuild.py
-(the filter made again from the table), app/feed.py (following changes made by anyone).
+Each job has its module: app/cache.py (read-through cache, single-flight loads), app/feed.py
+(following the database's change feed, whoever writes), app/rebuild.py (the filter made again
+from the table), app/watchdog.py (knowing when the filter cannot be trusted, and repairing
+it). A ``RecordStore`` puts them together for one table, and ``RecordStore.running`` runs
+its background work (start-up rebuild, follower, watchdog) for as long as a block lasts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
 from app.cache import RecordCache
-from app.db import Database
-from app.feed import FeedState, Follower
-from app.filter_writes import FilterWrites, Write
+from app.db import Database, Stored
+from app.feed import Follower, NeedsRebuild
 from app.metrics import Metrics
 from app.rebuild import Rebuild, RebuildInProgress
 from app.settings import Settings
-from guard import CuckooFilter, FilterInfo
+from app.tasks import cancel
+from app.watchdog import Watchdog, WatchdogSettings
+from guard import CuckooFilter, FilterInfo, FilterNotFoundError
 from guard.breaker import RedisBreaker
+from guard.errors import RedisUnreachable
 
 __all__ = ["RebuildInProgress", "RecordStore"]
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+REBUILD_RETRY_S = 5.0  # a start-up rebuild that found Redis away tries again this often
+
 
 class RecordStore:
-    """Reads and writes of the records table, keeping cache and filter in step with it."""
+    """Reads and writes of the records table, keeping cache and filter in step with it.
+
+    A write commits in the database first; its change then reaches the filter through the
+    change feed like anyone else's, and the write waits for that (``Follower.sync``) before
+    it answers: a write acknowledged to its caller is in the filter, and applied once.
+    """
 
     def __init__(
         self,
@@ -36,6 +53,7 @@ class RecordStore:
         metrics: Metrics,
         breaker: RedisBreaker | None = None,
         admin: aioredis.Redis | None = None,
+        on_needs_rebuild: Callable[[NeedsRebuild], Awaitable[None]] | None = None,
     ):
         self.redis = redis
         self.db = db
@@ -49,39 +67,147 @@ class RecordStore:
             prefix=settings.key_prefix,
             coalesce=settings.lookup_coalescing,
         )
-        self.state = FeedState()
         self.cache = RecordCache(redis, db, settings, metrics, self.breaker)
-        self.writes = FilterWrites(self.filter, db, settings, self.state)
-        self.rebuilder = Rebuild(admin if admin is not None else redis, db, settings, self.state)
-        self.staging = self.rebuilder.staging
-
-    def follower(self) -> Follower:
-        """A follower of the change log for this filter (the service's and ``guard
-        follow``'s), that never compacts past a running rebuild's snapshot."""
-        return Follower(
-            self.filter, self.db, self.settings, self.state, pinned=self.rebuilder.pinned
+        # Every change applied drops what the caches hold of its key, in every process.
+        forget = self.cache.changed if self.cache.enabled else None
+        self.rebuilder = Rebuild(
+            admin if admin is not None else redis,
+            db,
+            settings,
+            paused=self._paused,
+            before_apply=forget,
         )
+        self.follower = Follower(
+            self.filter,
+            db,
+            settings,
+            pinned=self.rebuilder.pinned,
+            on_needs_rebuild=on_needs_rebuild,
+            before_apply=forget,
+        )
+        self.staging = self.rebuilder.staging
+        self.watchdog: Watchdog | None = None  # set by running() when GUARD_WATCHDOG is on
+
+    @classmethod
+    @asynccontextmanager
+    async def running(
+        cls,
+        redis: aioredis.Redis,
+        db: Database,
+        settings: Settings,
+        metrics: Metrics,
+        breaker: RedisBreaker | None = None,
+        admin: aioredis.Redis | None = None,
+    ) -> AsyncIterator[RecordStore]:
+        """A store whose background work runs during the block: the start-up rebuild
+        (retried while Redis is away), the follower (GUARD_FEED; with it off here, `guard
+        follow` elsewhere, the follower still serves this process's writes and the
+        watchdog's repairs) and the watchdog (GUARD_WATCHDOG)."""
+        store = cls(redis, db, settings, metrics, breaker, admin)
+        async with AsyncExitStack() as stack:
+            if settings.rebuild_on_startup and not await store._rebuild_once():
+                stack.push_async_callback(cancel, asyncio.create_task(store._rebuild_later()))
+            if settings.feed:
+                stack.push_async_callback(cancel, asyncio.create_task(store.follower.run()))
+            if settings.watchdog:
+                store.watchdog = store._watchdog(metrics)
+                await store.watchdog.start()
+                stack.push_async_callback(cancel, asyncio.create_task(store.watchdog.run()))
+            yield store
+
+    def _watchdog(self, metrics: Metrics) -> Watchdog:
+        cfg = self.settings
+        watchdog = Watchdog(
+            self.filter,
+            self.db,
+            rebuild=self.rebuild,
+            catch_up=self.follower.catch_up,
+            settings=WatchdogSettings(
+                interval=cfg.watchdog_interval,
+                max_lag=cfg.watchdog_max_lag,
+                audit_interval=cfg.audit_interval,
+                audit_sample=cfg.audit_sample,
+            ),
+            metrics=metrics,
+        )
+        # A replay about to mend a rolled-back filter shows the watchdog its id first; a
+        # change the filter had no room for makes it stale at once.
+        self.follower.watch(watchdog.observe)
+        self.follower.on_failure(watchdog.follower_failed)
+        return watchdog
+
+    async def _rebuild_once(self) -> bool:
+        """One start-up rebuild attempt; False when Redis is unreachable."""
+        try:
+            await self.rebuild()
+        except RebuildInProgress:
+            log.info("records filter: another process is rebuilding it")
+        except RedisUnreachable as exc:
+            log.warning(
+                "records filter rebuild failed (%r); retrying every %.0f s", exc, REBUILD_RETRY_S
+            )
+            return False
+        return True
+
+    async def _rebuild_later(self) -> None:
+        """Keep trying in the background while Redis is down (the guard fails open meanwhile,
+        so the service stays usable; readers never see the half-built filter)."""
+        while True:
+            await asyncio.sleep(REBUILD_RETRY_S)
+            try:
+                await self.rebuild()
+                log.info("records filter rebuilt after Redis came back")
+                return
+            except RebuildInProgress:
+                return
+            except RedisUnreachable:
+                continue
+
+    def _paused(self) -> Any:
+        return self.follower.paused()
 
     async def get(self, key: str, *, suspect: bool = False) -> tuple[bool, Any]:
         """(found, value). `suspect`: the filter said "maybe", so a miss is a false positive."""
         return await self.cache.get(key, suspect=suspect)
 
-    async def put(self, key: str, value: Any) -> bool:
-        """Insert or replace; True if the row is new. Redis down → raises before any write."""
+    async def put(self, key: str, value: Any) -> tuple[bool, Any]:
+        """Insert or replace; (whether the row is new, the row as stored). Redis down →
+        raises before anything is written."""
         # allow_nan=False: NaN is no JSON, and must fail here, before any write.
         raw = json.dumps(value, separators=(",", ":"), allow_nan=False)
-        return await self._write(key, lambda hook: self.db.put(key, raw, hook))
+        stored: Stored = await self._write(key, lambda: self.db.put(key, raw), lambda s: s.created)
+        return stored.created, json.loads(stored.record)
 
     async def delete(self, key: str) -> bool:
-        """Delete; True if a row was deleted. Redis down → raises before any write."""
-        return await self._write(key, lambda hook: self.db.delete(key, hook))
+        """Delete; True if a row was deleted. Redis down → raises before anything is written."""
+        return await self._write(key, lambda: self.db.delete(key), bool)
 
-    async def _write(self, key: str, write: Write) -> bool:
+    async def _write(
+        self, key: str, write: Callable[[], Awaitable[T]], changed_key: Callable[[T], bool]
+    ) -> T:
         # Invalidated before (Redis up, or nothing is written) and after the write.
         await self.cache.invalidate(key)
-        changed = await self.writes.run(write)
+        result = await write()
+        if changed_key(result):
+            await self._synced(key, insert=isinstance(result, Stored))
         await self.cache.written(key)
-        return changed
+        return result
+
+    async def _synced(self, key: str, insert: bool) -> None:
+        """Wait until the filter applied the write's change (and every one before it). The
+        write is committed whatever happens here: nothing raises."""
+        try:
+            await self.follower.sync()
+        except NeedsRebuild as exc:
+            # The filter cannot follow the feed (the watchdog rebuilds it): a new key goes in
+            # as a plain insert meanwhile, an extra fingerprint the rebuild drops.
+            log.warning("write of %r: %s", key, exc)
+            if insert:
+                with suppress(FilterNotFoundError, *RedisUnreachable):
+                    await self.filter.insert(key)
+        except Exception as exc:  # Redis or the database away after the commit
+            log.warning("write of %r is committed; the filter follows once the feed can (%r)",
+                        key, exc)  # fmt: skip
 
     async def rebuild(self) -> FilterInfo:
         """Build the filter from the table and swap it in atomically (app/rebuild.py).

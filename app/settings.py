@@ -84,7 +84,7 @@ class Settings(BaseSettings):
     records_table: str = Field(default="records", pattern=f"^{IDENTIFIER.pattern}$")
     records_key_column: str = Field(default="key", pattern=f"^{IDENTIFIER.pattern}$")
     records_columns: str = ""
-    # The change log's tables are <prefix>_changes and <prefix>_feed.
+    # The change feed's objects are named <prefix>_... (docs/postgresql.md lists them).
     feed_prefix: str = Field(default="guard", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
 
     # Guard behaviour.
@@ -94,9 +94,18 @@ class Settings(BaseSettings):
         description="send concurrent lookups on one filter together (guard/coalesce.py)",
     )
     negative_ttl: float = Field(
-        default=30.0, gt=0, description="seconds a false positive stays cached"
+        default=30.0,
+        ge=0,
+        description="seconds a false positive stays cached (an insert of the key, fed by "
+        "the change feed, drops it at once); 0: not cached",
     )
-    cache_ttl: float = Field(default=300.0, gt=0, description="seconds a record stays cached")
+    cache_ttl: float = Field(
+        default=0.0,
+        ge=0,
+        description="seconds a record stays cached; 0 (the default): rows are not cached, "
+        "since UPDATEs of non-key columns made outside the service are not in the change "
+        "feed (inserts, deletes and key changes drop a cached row at once)",
+    )
     records_filter: str = Field(default="records", pattern=NAME_PATTERN.pattern)
     records_error_rate: float = Field(default=0.001, gt=0, le=0.001)
     records_headroom: float = Field(default=2.0, ge=1.0, description="capacity = rows x headroom")

@@ -1,7 +1,8 @@
 """The records filter's watchdog: knows when the filter is behind the table, and repairs it.
 
-The filter holds the id of the last database change it applied (`applied`, in its own bytes:
-guard/changes.py); the database holds the id of its newest committed change. Comparing the
+The filter holds the position of the last database change it applied (`applied`, in its own
+bytes: guard/changes.py); the database's change feed gives the position of its newest committed
+change. Comparing the
 two every GUARD_WATCHDOG_INTERVAL seconds shows a filter that lost changes: restored from an
 older snapshot, failed over to a lagging replica, replaced by an older copy (each brings its
 own older id), deleted, or built from another database. Damage that leaves the id alone (the
@@ -19,13 +20,17 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.feed import NeedsRebuild
-from guard import CuckooFilter
-from guard.errors import FilterCorruptError, FilterNotFoundError, RedisUnreachable
+from guard import Change, CuckooFilter
+from guard.errors import (
+    FilterCorruptError,
+    FilterFullError,
+    FilterNotFoundError,
+    RedisUnreachable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +42,20 @@ MISSING = "missing"  # the key is gone (Redis back empty, deleted)
 OTHER_SOURCE = "other_source"  # built from another change log (another database)
 DAMAGED = "damaged"  # its header fails the checks
 AUDIT_MISS = "audit_miss"  # a key the table holds, and the filter applied, reads absent
-DIVERGED = "diverged"  # it kept a change the database rolled back (app/feed.py)
 AHEAD = "ahead"  # past the database's newest change: the database lost commits
+FULL = "full"  # a fixed-size filter had no room for a change of the feed
 # These leave the filter's contents unknown: only a rebuild from the table repairs them.
-NEEDS_REBUILD = frozenset({MISSING, OTHER_SOURCE, DAMAGED, AUDIT_MISS, DIVERGED, AHEAD})
+NEEDS_REBUILD = frozenset({MISSING, OTHER_SOURCE, DAMAGED, AUDIT_MISS, AHEAD, FULL})
 
 CLEAN, MISS, INCONCLUSIVE = "clean", "miss", "inconclusive"
 MAX_BACKOFF_S = 5.0  # between failed repairs
 HISTORY = 100  # ended incidents kept (tests and the bench read them)
-# An audit miss is confirmed under the write barrier once the follower applied every change
-# committed: it is given this long (a follower that keeps up takes one poll, ~10-20 ms).
+# An audit miss is confirmed once the follower applied every change committed when the keys
+# were read again: it is given this long (a follower that keeps up takes one poll, ~10-20 ms).
 CONFIRM_POLLS, CONFIRM_POLL_S = 20, 0.01
+# ... and the changes applied after that read are looked through for the missed keys, up to
+# this many (more: inconclusive, the next audit tries again).
+CONFIRM_CHANGES = 10_000
 
 
 class WatchedDatabase(Protocol):
@@ -58,7 +66,8 @@ class WatchedDatabase(Protocol):
     async def oldest_change(self) -> int: ...
     async def feed_source(self) -> int: ...
     async def sample_keys(self, n: int) -> list[str]: ...
-    def write_barrier(self) -> AbstractAsyncContextManager[None]: ...
+    async def present_at(self, keys: list[str]) -> tuple[int, list[str]]: ...
+    async def changes_after(self, after: int, limit: int) -> list[Change]: ...
 
 
 class WatchdogMetrics(Protocol):
@@ -96,9 +105,7 @@ class Watchdog:
 
     `catch_up()` applies every change committed so far to the filter (the follower's; it
     raises NeedsRebuild when the log cannot repair it) and `rebuild()` builds it anew from the
-    table (the record store's); without `catch_up` every repair is a rebuild. `diverged()`
-    gives a reason known elsewhere why the filter must be rebuilt (the feed's FeedState:
-    a change the database rolled back that the filter kept), or None.
+    table (the record store's); without `catch_up` every repair is a rebuild.
     """
 
     def __init__(
@@ -108,7 +115,6 @@ class Watchdog:
         *,
         rebuild: Callable[[], Awaitable[Any]],
         catch_up: Callable[[], Awaitable[int]] | None = None,
-        diverged: Callable[[], Exception | None] | None = None,
         settings: WatchdogSettings = WatchdogSettings(),
         metrics: WatchdogMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -117,7 +123,6 @@ class Watchdog:
         self.db = db
         self.rebuild = rebuild
         self.catch_up = catch_up
-        self.diverged = diverged
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
@@ -129,7 +134,6 @@ class Watchdog:
         # (first seen, id): newest ids seen committed that the filter had not applied yet.
         self._pending: deque[tuple[float, int]] = deque()
         self._seen = 0
-        self._ahead: tuple[float, int] | None = None  # (first seen, id) applied past newest
         self._next_audit = 0.0
         self._next_repair = 0.0
         self._backoff = settings.interval
@@ -177,8 +181,8 @@ class Watchdog:
 
     async def check(self) -> None:
         """Compare the filter's `applied` with the database's newest change."""
-        # `applied` first: read before `newest`, it can pass it only by the one write in
-        # flight (writers are serialised), so more than that means the database lost commits.
+        # `applied` first: changes reach the filter only from the feed, so read before
+        # `newest` it cannot pass it unless the database lost commits.
         missing: Exception | None = None
         try:
             applied = await self.cf.applied_change()
@@ -197,16 +201,12 @@ class Watchdog:
         if missing is not None:
             self._open(DAMAGED, newest, str(missing))
             return
-        problem = self.diverged() if self.diverged is not None else None
-        if problem is not None:
-            self._open(DIVERGED, newest, str(problem))
-            return
         await self._judge(newest, applied)
 
     async def observe(self, applied: int) -> None:
-        """The filter's id as a replay (the follower's, a write's) read it before applying
-        anything: an id below the highest seen may be a filter rolled back, which the replay
-        is about to mend; judged now so the incident is counted and logged all the same.
+        """The filter's id as a replay (the follower's) read it before applying anything: an
+        id below the highest seen may be a filter rolled back, which the replay is about to
+        mend; judged now so the incident is counted and logged all the same.
         Costs nothing in the normal case (no query)."""
         if self.incident is None and applied < self._highest:
             try:
@@ -217,7 +217,7 @@ class Watchdog:
 
     async def _judge(self, newest: int, applied: int) -> None:
         now = self.clock()
-        if self._is_ahead(newest, applied, now):
+        if applied > newest:
             # A database restored from a backup or failed over to a replica that lost commits
             # hands those ids out again: a replay would skip them as applied.
             self._open(AHEAD, newest, f"applied {applied} is past the newest change {newest}")
@@ -244,8 +244,7 @@ class Watchdog:
                 self._open(STARTUP, newest, f"applied {applied}, newest change {newest}")
                 return
         if applied >= newest:
-            # It holds every committed change (and maybe a write's in flight): current,
-            # whatever it held before (a write undone moves the id back by one).
+            # It holds every committed change: current.
             self._highest = max(self._highest, applied)
             return
         if applied < self._highest:
@@ -261,18 +260,16 @@ class Watchdog:
         else:
             self._highest = max(self._highest, applied)
 
-    def _is_ahead(self, newest: int, applied: int, now: float) -> bool:
-        """Whether the filter holds changes the database does not: more than the one write
-        in flight, or that one still uncommitted after max_lag."""
-        if applied <= newest:
-            self._ahead = None
-            return False
-        if applied > newest + 1:
-            return True
-        if self._ahead is None or self._ahead[1] != applied:
-            self._ahead = (now, applied)
-            return False
-        return now - self._ahead[0] >= self.settings.max_lag
+    async def follower_failed(self, exc: Exception) -> None:
+        """A round of the follower failed: a change it could not apply for want of room is
+        one the filter lacks from now on, so it is not trusted from this moment (the
+        watermark check would see it only after max_lag)."""
+        if isinstance(exc, FilterFullError):
+            try:
+                newest = await self.db.newest_change()
+            except Exception:
+                newest = self._seen
+            self._open(FULL, newest, str(exc))
 
     # ---- the audit ---------------------------------------------------------------------
 
@@ -316,30 +313,46 @@ class Watchdog:
 
     async def _confirm(self, keys: list[str]) -> str:
         """A sampled key may read absent rightly: deleted since it was sampled, inserted
-        after the filter's last change (the follower's window), or a write in flight. Under
-        the write barrier none is in flight and the follower soon applies what is committed;
-        a key still in the table that still reads absent is then a miss. The watchdog does
-        not apply the log itself here: a follower that stopped must show as BEHIND."""
-        async with self.db.write_barrier():
-            newest = await self.db.newest_change()
+        after the filter's last change (the follower's window), or written by a transaction
+        still in flight. So the keys are read again from the table in a snapshot whose feed
+        position is known; once the follower has applied that far, a key the snapshot holds
+        that reads absent, and that no change applied since touched, is a miss. The watchdog
+        does not apply the feed itself here: a follower that stopped must show as BEHIND."""
+        position, present = await self.db.present_at(keys)
+        if not present:
+            return CLEAN
+        applied = await self.cf.applied_change()
+        if self.incident is None:
+            # An id that went back is a rolled-back filter, not a window (`applied` read
+            # first, as check() does).
+            await self._judge(await self.db.newest_change(), applied)
+            if self.incident is not None:
+                return INCONCLUSIVE
+        for _ in range(CONFIRM_POLLS):
+            if applied >= position:
+                break
+            await asyncio.sleep(CONFIRM_POLL_S)
             applied = await self.cf.applied_change()
-            if self.incident is None:
-                # An id that went back is a rolled-back filter, not a window.
-                await self._judge(newest, applied)
-                if self.incident is not None:
-                    return INCONCLUSIVE
-            for _ in range(CONFIRM_POLLS):  # writers are held off: a short wait at most
-                if applied >= newest:
-                    break
-                await asyncio.sleep(CONFIRM_POLL_S)
-                applied = await self.cf.applied_change()
-            if applied < newest:
-                return INCONCLUSIVE  # the watermark check judges a filter left behind
-            present = [k for k in keys if await self.db.get(k) is not None]
-            if not present:
-                return CLEAN
-            found = await self.cf.lookup_many(present)
-        return CLEAN if all(found) else MISS
+        if applied < position:
+            return INCONCLUSIVE  # the watermark check judges a filter left behind
+        found = await self.cf.lookup_many(present)
+        missed = {k for k, hit in zip(present, found, strict=True) if not hit}
+        if not missed:
+            return CLEAN
+        # The lookups read the filter at or after `position`, and at or before what it has
+        # applied now: a change of a missed key in between may be why.
+        upto = await self.cf.applied_change()
+        if upto < position or upto - position > CONFIRM_CHANGES:
+            return INCONCLUSIVE
+        touched: set[str | bytes] = set()
+        after = position
+        while after < upto:
+            changes = await self.db.changes_after(after, upto - after)
+            if not changes:
+                return INCONCLUSIVE  # compacted meanwhile
+            touched.update(c.item for c in changes)
+            after = changes[-1].id
+        return MISS if missed - touched else INCONCLUSIVE
 
     # ---- repair ------------------------------------------------------------------------
 

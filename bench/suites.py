@@ -231,7 +231,7 @@ def feed_suite(a: argparse.Namespace) -> AbstractContextManager[Suite]:
         sizes["rebuild_rows"] = a.rows
     return single_section(
         "feed",
-        "Change feed: lag from commit to filter, and records rebuilds",
+        "Change feed: what it costs writers, lag from commit to filter, records rebuilds",
         a.redis_url,
         lambda t: feed.measure(t, pg_prefix=a.pg_prefix, **sizes),
         feed.report,
@@ -327,7 +327,7 @@ SUITES: dict[str, Entry] = {
         report="docs/bench-mutations.md",
     ),
     "feed": Entry(
-        "change feed: commit-to-filter lag on PostgreSQL at 100 and 1,000 writes/s, rebuilds",
+        "change feed: what guarding costs writers (pgbench), commit-to-filter lag, rebuilds",
         feed_suite,
         report="docs/bench-feed.md",
         options=(

@@ -9,6 +9,7 @@ from guard.errors import (
     FilterNotFoundError,
     GuardError,
     InvalidParameterError,
+    StagingBehindError,
 )
 from guard.facade import AsyncPipeline, Pipeline
 from guard.filter import CuckooFilter, FilterInfo, SyncCuckooFilter
@@ -41,6 +42,7 @@ __all__ = [
     "Pipeline",
     "ShardedCuckooFilter",
     "ShardedFilterInfo",
+    "StagingBehindError",
     "SyncCuckooFilter",
     "SyncShardedCuckooFilter",
     "list_filters",

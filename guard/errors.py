@@ -61,6 +61,19 @@ class FilterFullError(GuardError):
         self.results: list[bool] = results if results is not None else []
 
 
+class StagingBehindError(GuardError):
+    """promote(unless_behind=True) refused: the live filter has applied changes of the feed
+    they both follow (``live_applied``) that the staging copy has not; bring the copy up to
+    there and promote again."""
+
+    def __init__(self, filter: str, live_applied: int) -> None:
+        super().__init__(
+            f"{filter}: the live filter stands at change {live_applied}, past its staging copy",
+            filter=filter,
+        )
+        self.live_applied = live_applied
+
+
 class FilterCorruptError(GuardError):
     """The stored filter's bytes are inconsistent (docs/format.md, "Valid values"). The
     message reads ``"<filter>: <reason>"``; ``filter`` and ``reason`` hold the two parts."""

@@ -72,7 +72,9 @@ class Facade(Generic[InfoT]):
         def _info_op(self) -> Op[InfoT]: ...
         def _exists_op(self) -> Op[bool]: ...
         def _drop_op(self) -> Op[bool]: ...
-        def _promote_op(self, only_if_new: bool = False) -> Op[bool]: ...
+        def _promote_op(
+            self, only_if_new: bool = False, *, unless_behind: bool = False
+        ) -> Op[bool]: ...
         def _bulk_target(self, applied: int, source: int) -> Target: ...
         def staging(self) -> Self: ...
 
@@ -178,9 +180,11 @@ class Facade(Generic[InfoT]):
         return self._drop_op()
 
     @operation
-    def promote(self) -> Op[bool]:
-        """Atomically replace the live filter by this staging copy (see ``staging()``)."""
-        return self._promote_op()
+    def promote(self, *, unless_behind: bool = False) -> Op[bool]:
+        """Atomically replace the live filter by this staging copy (see ``staging()``). With
+        ``unless_behind``, raise StagingBehindError instead when the live filter follows the
+        same change feed and has applied more of it."""
+        return self._promote_op(unless_behind=unless_behind)
 
 
 class SyncHandle(SyncRunner, Facade[InfoT]):

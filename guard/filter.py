@@ -26,6 +26,7 @@ from guard.errors import (
     FilterFullError,
     FilterNotFoundError,
     GuardError,
+    StagingBehindError,
 )
 from guard.facade import AsyncHandle, SyncHandle, operation
 from guard.hashing import to_bytes
@@ -377,16 +378,27 @@ class FilterOps:
         return bool(existed)
 
     @forgets_on_damage
-    def _promote_op(self, only_if_new: bool = False, live: FilterOps | None = None) -> Op[bool]:
+    def _promote_op(
+        self,
+        only_if_new: bool = False,
+        live: FilterOps | None = None,
+        *,
+        unless_behind: bool = False,
+    ) -> Op[bool]:
         """Promote this staging copy onto ``live`` (default: the filter's live copy); with
-        ``only_if_new``, only if no live filter exists (else FilterExistsError, from the script)."""
+        ``only_if_new``, only if no live filter exists (else FilterExistsError, from the
+        script); with ``unless_behind``, not over a live filter of the same change feed that
+        has applied more of it (StagingBehindError)."""
         if live is None:
             live = FilterOps(self.redis, self.name, self.prefix, _shard=self._shard)
         keys = live._keys(MAX_SUBFILTERS) + self._keys(MAX_SUBFILTERS)
+        args = [int(only_if_new), int(unless_behind)]
         for _ in range(MAX_RETRIES):
             layout = yield from self._known_layout()
-            (reply,) = yield Round([Call("promote", keys, [*layout.args(), int(only_if_new)])])
+            (reply,) = yield Round([Call("promote", keys, [*layout.args(), *args])])
             self._layout = UNKNOWN_LAYOUT
+            if isinstance(reply, list) and reply[:1] == [scripts.GAP]:
+                raise StagingBehindError(self.name, int(reply[1]))
             if reply != [scripts.STALE]:
                 live._layout = layout
                 return True

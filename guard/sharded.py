@@ -285,7 +285,7 @@ class ShardedOps:
         self._seed = None  # dropping routes nothing
         return any((yield from self._fan(h._drop_op() for h in self._handles)))
 
-    def _promote_op(self, only_if_new: bool = False) -> Op[bool]:
+    def _promote_op(self, only_if_new: bool = False, *, unless_behind: bool = False) -> Op[bool]:
         live = self._live
         if live is None:
             raise InvalidParameterError(
@@ -297,7 +297,9 @@ class ShardedOps:
         if only_if_new:  # no shard swapped in while any exists (each one checks again)
             yield from live._refuse_existing_op()
         pairs = zip(self._handles, live._handles, strict=True)
-        yield from self._fan(h._promote_op(only_if_new, onto) for h, onto in pairs)
+        yield from self._fan(
+            h._promote_op(only_if_new, onto, unless_behind=unless_behind) for h, onto in pairs
+        )
         live._seed, self._seed = self._seed, None
         return True
 

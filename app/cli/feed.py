@@ -11,11 +11,11 @@ import typer
 
 from app.cli.common import Prefix, RedisUrl, cli, console, settings
 from app.db import open_database
-from app.feed import FeedState, Follower, NeedsRebuild
-from app.rebuild import Rebuild, RebuildInProgress
+from app.feed import NeedsRebuild
+from app.metrics import Metrics
+from app.records import RebuildInProgress, RecordStore
 from app.redis_conn import open_redis
 from app.settings import Settings, missing_embedded_redis
-from guard import CuckooFilter
 
 log = logging.getLogger("guard.follow")
 
@@ -58,23 +58,24 @@ async def _follow(cfg: Settings, *, once: bool, rebuild: bool) -> None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     async with open_redis(cfg) as clients:
         db = await open_database(cfg)
+
+        async def repair(why: NeedsRebuild) -> None:
+            log.info("rebuilding %s from the table: %s", store.filter.name, why)
+            try:
+                info = await store.rebuild()
+            except RebuildInProgress as exc:
+                log.info("%s", exc)
+                return
+            log.info("rebuilt %s: %d items", store.filter.name, info.items)
+
         try:
-            state = FeedState()
-            rebuilder = Rebuild(clients.admin, db, cfg, state)
-            cf = CuckooFilter(clients.main, cfg.records_filter, prefix=cfg.key_prefix)
-
-            async def repair(why: NeedsRebuild) -> None:
-                log.info("rebuilding %s from the table: %s", cf.name, why)
-                try:
-                    info = await rebuilder.run()
-                except RebuildInProgress as exc:
-                    log.info("%s", exc)
-                    return
-                log.info("rebuilt %s: %d items", cf.name, info.items)
-
-            follower = Follower(
-                cf, db, cfg, state, rebuilder.pinned, on_needs_rebuild=repair if rebuild else None
-            )
+            # The service's record store: the follower also drops what the caches hold of
+            # each key it applies, for the services reading them.
+            store = RecordStore(
+                clients.main, db, cfg, Metrics(), admin=clients.admin,
+                on_needs_rebuild=repair if rebuild else None,
+            )  # fmt: skip
+            follower, cf = store.follower, store.filter
             if once:
                 try:
                     applied = await follower.catch_up()

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 from app.db.base import (
     POSTGRES_SCHEMES,
-    ChangeHook,
     Database,
     DatabaseSetupError,
     RecordInputError,
     SnapshotHook,
+    Stored,
     TableSpec,
     parse_columns,
     redacted_url,
@@ -25,12 +25,12 @@ if TYPE_CHECKING:  # app.settings checks its values with app.db.base: no import 
     from app.settings import Settings
 
 __all__ = [
-    "ChangeHook",
     "Database",
     "DatabaseSetupError",
     "RecordInputError",
     "SQLiteDatabase",
     "SnapshotHook",
+    "Stored",
     "TableSpec",
     "open_database",
     "redacted_url",

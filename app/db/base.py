@@ -1,8 +1,8 @@
 """What the service needs from its database of record: the protocol, the guarded table, errors.
 
-Every implementation keeps a trigger-maintained change log of the guarded table (tables
-`<prefix>_changes` and `<prefix>_feed`, triggers on the table): gapless ids that commit in id
-order, so a filter that stores the id of the last change applied (guard/changes.py) can follow
+Every implementation keeps a trigger-fed change feed of the guarded table: every committed
+insert, delete and key change gets a gapless position, in commit order for changes of one key,
+so a filter that stores the position of the last change applied (guard/changes.py) can follow
 every write, whoever makes it. docs/postgresql.md says exactly what is created.
 """
 
@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from guard.changes import Change
 
-ChangeHook = Callable[[Change], Awaitable[None]]
 SnapshotHook = Callable[[int], Awaitable[None]]
 
 SQLITE_PREFIX = "sqlite:///"
@@ -28,12 +26,19 @@ MAX_SOURCE = 2**53 - 1  # a change log's identity fits a JSON number and a filte
 INT64 = range(-(2**63), 2**63)
 
 
-class Database(Protocol):
-    """A guarded table with a change log (SQLite or PostgreSQL).
+class Stored(NamedTuple):
+    """What a put wrote."""
 
-    Inside a hook or a write_barrier() block, read the log (changes_after, newest_change, ...)
-    but never write (put, delete, compact): on SQLite that write would wait for the very
-    transaction it runs in.
+    created: bool  # a new row: its key entered the table (and the change feed)
+    record: str  # the row as stored, the JSON text get() answers
+
+
+class Database(Protocol):
+    """A guarded table with a change feed (SQLite or PostgreSQL).
+
+    The feed's positions: `newest_change()` is the newest committed change, `changes_after`
+    reads them in order; a filter stores the position it has applied. Writes through `put`
+    and `delete` are fed like any other.
     """
 
     # Statements sent for the records (get/put/delete/count/seed/iter_keys): tests assert a
@@ -46,17 +51,13 @@ class Database(Protocol):
         """The record as JSON text, None if there is no such row."""
         ...
 
-    async def put(self, key: str, value: str, on_change: ChangeHook | None = None) -> bool:
-        """Insert or replace; True if the row is new.
-
-        When new, `on_change(change)` runs inside the write transaction once the row and its
-        log entry are written (`change.id` is the log id), before the commit; if it raises,
-        nothing is written. A replace logs nothing and runs no hook.
-        """
+    async def put(self, key: str, value: str) -> Stored:
+        """Insert or replace, committed; whether the row is new, and the row as stored. A
+        replace changes no key: the feed has nothing of it."""
         ...
 
-    async def delete(self, key: str, on_change: ChangeHook | None = None) -> bool:
-        """True only if a row was deleted and that committed; the hook runs as for put."""
+    async def delete(self, key: str) -> bool:
+        """True only if a row was deleted and that committed."""
         ...
 
     async def count(self) -> int: ...
@@ -66,14 +67,15 @@ class Database(Protocol):
     ) -> AsyncIterator[list[str]]:
         """Every key of one consistent snapshot.
 
-        `at_snapshot(change_id)` runs at the snapshot, with writers still held off; the id is
-        the newest change the snapshot contains.
+        `at_snapshot(position)` runs once the snapshot is taken, before the first page; the
+        position is the newest change the snapshot contains, and every later change is after
+        it.
         """
         ...
 
-    def write_barrier(self) -> AbstractAsyncContextManager[None]:
-        """Hold off every writer of the guarded table (of any process) during the block,
-        once the writes already under way committed or rolled back."""
+    async def present_at(self, keys: list[str]) -> tuple[int, list[str]]:
+        """Which of `keys` the table holds, in one snapshot, and the position of the newest
+        change that snapshot contains (the audit confirms a miss with it)."""
         ...
 
     async def feed_source(self) -> int:
@@ -81,7 +83,7 @@ class Database(Protocol):
         ...
 
     async def newest_change(self) -> int:
-        """The newest committed change id, 0 if none yet."""
+        """The newest committed change's position, 0 if none yet."""
         ...
 
     async def oldest_change(self) -> int:
@@ -92,7 +94,8 @@ class Database(Protocol):
         ...
 
     async def changes_after(self, after: int, limit: int) -> list[Change]:
-        """Committed changes with id > after, ascending and consecutive, at most `limit`."""
+        """Committed changes with positions > after, ascending and consecutive, at most
+        `limit` (fewer does not mean the end: read again from the last one)."""
         ...
 
     async def wait_for_change(self, after: int, timeout: float) -> bool:
@@ -178,6 +181,8 @@ class TableSpec:
 
     @property
     def changes(self) -> str:
+        """SQLite's log (and PostgreSQL's before the change feed stopped serialising writers:
+        an installed one is upgraded at start-up)."""
         return f"{self.prefix}_changes"
 
     @property
@@ -185,8 +190,22 @@ class TableSpec:
         return f"{self.prefix}_feed"
 
     @property
-    def channel(self) -> str:
-        return f"{self.prefix}_changes"
+    def events(self) -> str:
+        """PostgreSQL: the changes as writers append them, in no order yet."""
+        return f"{self.prefix}_events"
+
+    @property
+    def events_seq(self) -> str:
+        return f"{self.prefix}_events_seq"
+
+    @property
+    def ticks(self) -> str:
+        """PostgreSQL: the snapshots that cut the events into ordered batches."""
+        return f"{self.prefix}_ticks"
+
+    @property
+    def tick_function(self) -> str:
+        return f"{self.prefix}_tick"
 
     def trigger(self, what: str) -> str:
         return f"{self.prefix}_{self.table}_{what}"[:63]

@@ -17,10 +17,10 @@ import aiosqlite
 from app.db.base import (
     MAX_SOURCE,
     SQLITE_PREFIX,
-    ChangeHook,
     DatabaseSetupError,
     RecordInputError,
     SnapshotHook,
+    Stored,
     TableSpec,
     integer_key,
     quote,
@@ -42,8 +42,8 @@ def sqlite_path(url: str) -> str:
 async def _immediate(conn: aiosqlite.Connection) -> AsyncIterator[aiosqlite.Connection]:
     """One transaction, committed unless the block raises.
 
-    IMMEDIATE takes SQLite's write lock now, so write_barrier() of another connection or
-    process waits for the whole transaction, hooks included.
+    IMMEDIATE takes SQLite's write lock now: the transaction's reads see what its writes will
+    follow (SQLite has one writer at a time anyway).
     """
     await conn.execute("BEGIN IMMEDIATE")
     try:
@@ -91,8 +91,8 @@ def _sql_value(v: Any) -> Any:
 
 
 class SQLiteDatabase:
-    """SQLite in WAL mode: a writer connection, a reader, one for snapshots and barriers, one
-    for the change feed.
+    """SQLite in WAL mode: a writer connection, a reader, one for snapshots, one for the change
+    feed.
 
     Writes of one process are serialised by an asyncio lock (a connection holds one
     transaction at a time); writes of several processes by SQLite's own lock.
@@ -220,18 +220,7 @@ class SQLiteDatabase:
         async with self._write_lock, _immediate(conn):
             yield conn
 
-    async def _logged(
-        self, conn: aiosqlite.Connection, key: str, insert: bool, on_change: ChangeHook | None
-    ) -> None:
-        """Run the hook with the change the trigger just logged (writers are serialised, so
-        it is the counter's value)."""
-        if on_change is None:
-            return
-        await self._query()
-        rows = list(await conn.execute_fetchall(f"SELECT last_id FROM {self._feed_t}"))
-        await on_change(Change(int(rows[0][0]), insert, key))
-
-    async def put(self, key: str, value: str, on_change: ChangeHook | None = None) -> bool:
+    async def put(self, key: str, value: str) -> Stored:
         k = self._new_key(key)
         if self.spec.own:
             sets, params = "value = ?", [value]
@@ -251,31 +240,28 @@ class SQLiteDatabase:
             else:
                 exists = bool(list(await conn.execute_fetchall(
                     f"SELECT 1 FROM {self._t} WHERE {self._k} = ?", (k,))))  # fmt: skip
-            if exists:
-                return False
+            if not exists:
+                await self._query()
+                names = ", ".join(quote(c) for c in (self.spec.key_column, *cols))
+                marks = ", ".join("?" * (1 + len(cols)))
+                try:
+                    await conn.execute(
+                        f"INSERT INTO {self._t} ({names}) VALUES ({marks})", (k, *values)
+                    )
+                except sqlite3.IntegrityError as exc:  # NOT NULL, CHECK, a foreign key
+                    raise RecordInputError(("body", "value"), str(exc)) from exc
             await self._query()
-            names = ", ".join(quote(c) for c in (self.spec.key_column, *cols))
-            marks = ", ".join("?" * (1 + len(cols)))
-            try:
-                await conn.execute(
-                    f"INSERT INTO {self._t} ({names}) VALUES ({marks})", (k, *values)
-                )
-            except sqlite3.IntegrityError as exc:  # NOT NULL, CHECK, a foreign key
-                raise RecordInputError(("body", "value"), str(exc)) from exc
-            await self._logged(conn, key, True, on_change)
-            return True
+            stored = list(await conn.execute_fetchall(self._select, (k,)))
+        return Stored(not exists, str(stored[0][0]))
 
-    async def delete(self, key: str, on_change: ChangeHook | None = None) -> bool:
+    async def delete(self, key: str) -> bool:
         k = self._key(key)
         if k is None:
             return False
         async with self._transaction() as conn:
             await self._query()
             cur = await conn.execute(f"DELETE FROM {self._t} WHERE {self._k} = ?", (k,))
-            if not cur.rowcount:
-                return False
-            await self._logged(conn, key, False, on_change)
-            return True
+            return bool(cur.rowcount)
 
     async def count(self) -> int:
         await self._query()
@@ -297,7 +283,7 @@ class SQLiteDatabase:
             )
         return n
 
-    # ---- snapshot and barrier ----------------------------------------------------------
+    # ---- snapshots ---------------------------------------------------------------------
 
     @asynccontextmanager
     async def _admin_transaction(self) -> AsyncIterator[aiosqlite.Connection]:
@@ -307,11 +293,6 @@ class SQLiteDatabase:
         # processes are held off by SQLite's lock itself.
         async with self._write_lock, self._admin_lock, _immediate(conn):
             yield conn
-
-    @asynccontextmanager
-    async def write_barrier(self) -> AsyncIterator[None]:
-        async with self._admin_transaction():
-            yield
 
     async def iter_keys(
         self, batch_size: int, at_snapshot: SnapshotHook | None = None
@@ -346,6 +327,23 @@ class SQLiteDatabase:
                 yield [str(r[1]) for r in page]
         finally:
             await conn.execute("DROP TABLE IF EXISTS temp.snapshot_keys")
+
+    async def present_at(self, keys: list[str]) -> tuple[int, list[str]]:
+        # One read transaction: in WAL mode it reads one snapshot, log counter included.
+        conn = self._conn(self._feed)
+        await conn.execute("BEGIN")
+        try:
+            rows = await self._feed_rows(f"SELECT last_id FROM {self._feed_t}")
+            present = []
+            for key in keys:
+                k = self._key(key)
+                if k is not None and await self._feed_rows(
+                    f"SELECT 1 FROM {self._t} WHERE {self._k} = ?", (k,)
+                ):
+                    present.append(key)
+        finally:
+            await conn.rollback()
+        return int(rows[0][0]), present
 
     # ---- change feed -------------------------------------------------------------------
 

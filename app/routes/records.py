@@ -76,13 +76,13 @@ async def get_record(
 async def put_record(
     key: ItemPath, body: RecordIn, records: RecordsDep, settings: SettingsDep
 ) -> Any:
-    """Create (201) or replace (200) a record. A new key enters the filter before the row
-    becomes visible. A value with a non-finite number (NaN, Infinity) is refused with 422
-    before anything is written; a write that fails later rolls back both the row and the
-    filter change."""
+    """Create (201) or replace (200) a record; the answer is the row as stored. A new key is
+    in the filter when this answers (the write waits for its change to come through the
+    change feed). A value with a non-finite number (NaN, Infinity) is refused with 422
+    before anything is written."""
     check_item(key, settings, ("path", "key"))
-    created = await records.put(key, body.value)
-    return JSONResponse({"key": key, "value": body.value}, status_code=201 if created else 200)
+    created, stored = await records.put(key, body.value)
+    return JSONResponse({"key": key, "value": stored}, status_code=201 if created else 200)
 
 
 @router.delete(

@@ -134,4 +134,4 @@ async def svc(start: StartService) -> Service:
 
 
 # Databases of record (SQLite and PostgreSQL) for the tests that run on each.
-from tests.app.dbs import db_url, open_db, other, pg_url  # noqa: E402, F401
+from tests.app.dbs import db_url, open_db, other, pg_url, rolled_back  # noqa: E402, F401

@@ -83,3 +83,36 @@ def other(db_url: str) -> Other:
         await asyncio.to_thread(run, sql)
 
     return run_async
+
+
+@pytest.fixture
+def rolled_back(db_url: str) -> Other:
+    """`rolled_back(sql)`: the statement run in a transaction of its own connection, which
+    then rolls back, as a failed transaction of the user's application would."""
+    if not db_url.startswith("sqlite:"):
+
+        async def run_pg(sql: str) -> None:
+            conn = await asyncpg.connect(db_url)
+            try:
+                tx = conn.transaction()
+                await tx.start()
+                await conn.execute(sql)
+                await tx.rollback()
+            finally:
+                await conn.close()
+
+        return run_pg
+    path = db_url.removeprefix("sqlite:///")
+
+    def run(sql: str) -> None:
+        conn = sqlite3.connect(path, timeout=10)
+        try:
+            conn.execute(sql)
+            conn.rollback()
+        finally:
+            conn.close()
+
+    async def run_async(sql: str) -> None:
+        await asyncio.to_thread(run, sql)
+
+    return run_async

@@ -1,4 +1,4 @@
-"""The SQLite database behind /records: queries counter, hooks, snapshot, write barrier."""
+"""The SQLite database behind /records: queries counter, what a put answers, snapshots."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.db import SQLiteDatabase, open_database, sqlite_path
-from guard.changes import Change
+from app.db import SQLiteDatabase, Stored, open_database, sqlite_path
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -24,37 +23,19 @@ class TestSQLite:
     """get / put / delete / count / seed."""
 
     async def test_crud_and_query_counter(self, db: SQLiteDatabase) -> None:
-        assert await db.put("k", '"v"') is True
-        assert await db.put("k", '"w"') is False
+        assert await db.put("k", '"v"') == Stored(True, '"v"')
+        assert await db.put("k", '"w"') == Stored(False, '"w"')
         assert await db.get("k") == '"w"'
         assert await db.delete("k") is True
         assert await db.delete("k") is False
         assert await db.get("k") is None
-        assert db.queries == 2 + 1 + 1 + 1 + 1 + 1  # new put = UPDATE + INSERT
+        # new put = UPDATE + INSERT + the row read back; a replace = UPDATE + the read
+        assert db.queries == 3 + 2 + 1 + 1 + 1 + 1
 
     async def test_seed_only_fills_an_empty_table(self, db: SQLiteDatabase) -> None:
         assert await db.seed(10) == 10 and await db.count() == 10
         await db.delete("user-3")
         assert await db.seed(10) == 0 and await db.count() == 9
-
-    async def test_hooks_run_inside_the_transaction(self, db: SQLiteDatabase) -> None:
-        async def fail(change: Change) -> None:
-            raise RuntimeError("filter unreachable")
-
-        with pytest.raises(RuntimeError):
-            await db.put("k", "1", on_change=fail)
-        assert await db.get("k") is None  # rolled back
-        await db.put("k", "1")
-        with pytest.raises(RuntimeError):
-            await db.delete("k", on_change=fail)
-        assert await db.get("k") == "1"  # rolled back
-        ran: list[Change] = []
-
-        async def note(change: Change) -> None:
-            ran.append(change)
-
-        assert await db.put("k", "2", on_change=note) is False and ran == []  # replace: no hook
-        assert await db.delete("nope", on_change=note) is False and ran == []
 
     async def test_latency(self, tmp_path: Path) -> None:
         slow = await open_database(f"sqlite:///{tmp_path}/s.db", latency_ms=30)
@@ -73,7 +54,7 @@ class TestSQLite:
 
 
 class TestSnapshot:
-    """iter_keys and write_barrier: what a rebuild relies on."""
+    """iter_keys and present_at: what a rebuild and the audit rely on."""
 
     async def test_snapshot_ignores_later_writes(self, db: SQLiteDatabase) -> None:
         await db.seed(25)
@@ -99,50 +80,11 @@ class TestSnapshot:
         await self.writer
         assert order == ["snapshot"] and "w" not in keys
 
-    async def test_barrier_waits_for_an_open_write(self, db: SQLiteDatabase) -> None:
-        inside = asyncio.Event()
-        release = asyncio.Event()
-        order: list[str] = []
-
-        async def slow_hook(change: Change) -> None:
-            inside.set()
-            await release.wait()
-            order.append("write committed")
-
-        writer = asyncio.create_task(db.put("k", "1", on_change=slow_hook))
-        await inside.wait()
-
-        async def barrier() -> None:
-            async with db.write_barrier():
-                order.append("barrier")
-
-        b = asyncio.create_task(barrier())
-        await asyncio.sleep(0.05)
-        assert order == []
-        release.set()
-        await asyncio.gather(writer, b)
-        assert order == ["write committed", "barrier"]
-
-    async def test_other_process_writes_wait_for_barrier(self, tmp_path: Path) -> None:
-        """Two connections (as two processes would have) are held off by SQLite's lock."""
-        url = f"sqlite:///{tmp_path}/shared.db"
-        a, b = await open_database(url), await open_database(url)
-        try:
-            order: list[str] = []
-            held = asyncio.Event()
-
-            async def hold() -> None:
-                async with a.write_barrier():
-                    held.set()
-                    await asyncio.sleep(0.1)
-                    order.append("barrier done")
-
-            task = asyncio.create_task(hold())
-            await held.wait()
-            await b.put("k", "1")
-            order.append("other write")
-            await task
-            assert order == ["barrier done", "other write"]
-        finally:
-            await a.close()
-            await b.close()
+    async def test_present_at_reads_one_snapshot_with_its_position(
+        self, db: SQLiteDatabase
+    ) -> None:
+        await db.seed(3)
+        await db.delete("user-2")
+        position, present = await db.present_at(["user-1", "user-2", "nope", "user-3"])
+        assert present == ["user-1", "user-3"]
+        assert position == await db.newest_change() == 4

@@ -1,5 +1,5 @@
-"""PostgreSQL's own side of the change log: concurrent writers of other connections and
-processes, TRUNCATE, COPY, the barrier, the snapshot under writes, NOTIFY, key types.
+"""PostgreSQL's own side of the change feed: concurrent writers of other connections and
+processes, TRUNCATE, COPY, the snapshot under writes, waiting for changes, key types.
 
 Each test has a database of its own on the machine's server (devkit/postgres.py); without a
 server they error, never skip.
@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg
 import pytest
 
 from app.db import DatabaseSetupError, RecordInputError, TableSpec, open_database
-from app.db import postgres as pg_module
 from app.db.postgres import PostgresDatabase
 from devkit.postgres import temporary_database
 from guard.changes import Change
@@ -46,6 +45,17 @@ async def conns(url: str) -> AsyncIterator[list[asyncpg.Connection]]:
     yield opened
     for c in opened:
         await c.close()
+
+
+async def read_all(db: PostgresDatabase, upto: int | None = None) -> list[Change]:
+    """Every change from position 1 (to `upto`), however many reads it takes."""
+    out: list[Change] = []
+    while upto is None or len(out) < upto:
+        more = await db.changes_after(len(out), 1000 if upto is None else upto - len(out))
+        if not more:
+            break
+        out += more
+    return out
 
 
 def replay(changes: list[Change]) -> set[str]:
@@ -176,42 +186,8 @@ class TestStatements:
         assert [(c.insert, c.item) for c in await db.changes_after(8, 10)] == [(True, "new")]
 
 
-class TestBarrierAndSnapshot:
-    """The write barrier holds off other connections and processes; the snapshot's id."""
-
-    async def test_barrier_holds_off_another_process(
-        self, db: PostgresDatabase, url: str, conns: list[asyncpg.Connection]
-    ) -> None:
-        env = {**os.environ, "PGAPPNAME": "db16-other-process"}
-        async with db.write_barrier():
-            psql = await asyncio.create_subprocess_exec(
-                "psql", url, "-qc", "INSERT INTO records VALUES ('p', '1')", env=env
-            )
-            await waiting_for_lock(conns[0], "db16-other-process")
-            assert psql.returncode is None
-            assert await db.newest_change() == 0
-        assert await psql.wait() == 0
-        assert [c.item for c in await db.changes_after(0, 10)] == ["p"]
-
-    async def test_barrier_waits_for_a_write_under_way(
-        self, db: PostgresDatabase, url: str, conns: list[asyncpg.Connection]
-    ) -> None:
-        writer = conns[1]
-        tx = writer.transaction()
-        await tx.start()
-        await writer.execute("INSERT INTO records VALUES ('a', '1')")
-        entered = asyncio.Event()
-
-        async def barrier() -> int:
-            async with db.write_barrier():
-                entered.set()
-                return await db.newest_change()
-
-        task = asyncio.create_task(barrier())
-        await waiting_for_lock(conns[0])  # the barrier's connection
-        assert not entered.is_set()
-        await tx.commit()
-        assert await task == 1  # it saw the write it waited for
+class TestSnapshot:
+    """The snapshot of a rebuild or an audit is a tick: its position, and writers go on."""
 
     async def test_snapshot_id_matches_keys_under_concurrent_writes(
         self, db: PostgresDatabase, conns: list[asyncpg.Connection]
@@ -243,53 +219,70 @@ class TestBarrierAndSnapshot:
         (snapshot_id,) = ids
         assert snapshot_id > 200  # the churn had written before the snapshot
         assert await db.newest_change() > snapshot_id  # and after it
-        assert sorted(keys) == sorted(replay(await db.changes_after(0, snapshot_id)))
+        assert sorted(keys) == sorted(replay(await read_all(db, snapshot_id)))
 
-    async def test_snapshot_holds_writers_off_only_while_it_is_taken(
+    async def test_writers_go_on_while_the_snapshot_is_taken(
         self, db: PostgresDatabase, conns: list[asyncpg.Connection]
     ) -> None:
         await db.seed(30)
-        writes: list[int] = []
+        done_inside: list[bool] = []
 
         async def at(change_id: int) -> None:
-            writer = asyncio.create_task(conns[0].execute("INSERT INTO records VALUES ('w', '1')"))
-            await waiting_for_lock(conns[1])
-            writes.append(int(writer.done()))
-            self.writer = writer
+            # A writer of another connection, while the snapshot's tick is being taken and
+            # the snapshot held: it commits at once (statement_timeout: no hang on failure).
+            await conns[0].execute("SET statement_timeout = '10s'")
+            await conns[0].execute("INSERT INTO records VALUES ('w', '1')")
+            done_inside.append(True)
 
         keys = [k async for batch in db.iter_keys(10, at) for k in batch]
-        await self.writer
-        assert writes == [0] and "w" not in keys and len(keys) == 30
+        assert done_inside == [True] and "w" not in keys and len(keys) == 30
+        assert [c.item for c in await db.changes_after(30, 10)] == ["w"]
 
-
-class TestNotify:
-    """wait_for_change is woken by NOTIFY; a lost notification only delays."""
-
-    async def test_woken_by_notify(
-        self, db: PostgresDatabase, conns: list[asyncpg.Connection], monkeypatch: pytest.MonkeyPatch
+    async def test_present_at_has_the_position_of_its_snapshot(
+        self, db: PostgresDatabase, conns: list[asyncpg.Connection]
     ) -> None:
-        # The fallback poll comes only after an hour: only the NOTIFY can wake the waiter.
-        monkeypatch.setattr(pg_module, "POLL_FALLBACK_S", 3600.0)
+        await db.seed(5)
+        held = conns[1].transaction()
+        await held.start()
+        await conns[1].execute("INSERT INTO records VALUES ('held', '1')")
+        await conns[0].execute("DELETE FROM records WHERE key = 'user-2'")
+        position, present = await db.present_at(["user-1", "user-2", "held", "nope"])
+        assert present == ["user-1"] and position == 6
+        await held.commit()
+        assert [c.item for c in await db.changes_after(6, 10)] == ["held"]
+
+
+class TestWait:
+    """wait_for_change polls by ticking; a poll that finds nothing new takes no lock."""
+
+    async def test_woken_by_a_commit(
+        self, db: PostgresDatabase, conns: list[asyncpg.Connection]
+    ) -> None:
         waiter = asyncio.create_task(db.wait_for_change(0, 3600))
         await asyncio.sleep(0.05)
         assert not waiter.done()
         await conns[0].execute("INSERT INTO records VALUES ('x', '1'), ('y', '1')")
         assert await asyncio.wait_for(waiter, 60) is True  # the bound only stops a hang
-        assert db.notifications == 1  # one statement, one NOTIFY
+        assert await db.newest_change() == 2
 
-    async def test_a_lost_listener_falls_back_to_polling(
-        self, db: PostgresDatabase, conns: list[asyncpg.Connection], monkeypatch: pytest.MonkeyPatch
+    async def test_idle_polls_lock_and_write_nothing(
+        self, db: PostgresDatabase, conns: list[asyncpg.Connection]
     ) -> None:
-        monkeypatch.setattr(pg_module, "POLL_FALLBACK_S", 0.02)
-        assert db._listener is not None
-        await conns[0].execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE query LIKE 'LISTEN%' AND datname = current_database()"
-        )
-        waiter = asyncio.create_task(db.wait_for_change(0, 3600))
         await conns[0].execute("INSERT INTO records VALUES ('x', '1')")
-        assert await asyncio.wait_for(waiter, 60) is True
-        assert await db.wait_for_change(1, 0.05) is False  # listening again, or polling
+        assert await db.newest_change() == 1
+
+        async def marks() -> tuple[Any, ...]:
+            # xmax of the feed's row: set by every FOR UPDATE lock on it.
+            return (
+                await conns[0].fetchval("SELECT xmax::text FROM guard_feed"),
+                await conns[0].fetchval("SELECT count(*) FROM guard_ticks"),
+            )
+
+        before = await marks()
+        ticks = db.ticks_taken
+        assert await db.wait_for_change(1, 0.3) is False
+        assert db.ticks_taken > ticks + 5  # it did poll
+        assert await marks() == before
 
 
 class TestTables:
@@ -314,20 +307,21 @@ class TestTables:
         await first.close()
         role = f"db16_writer_{uuid.uuid4().hex[:8]}"  # roles are shared by every database
         await conns[0].execute(
-            f"CREATE ROLE {role} LOGIN; "
-            f"GRANT SELECT, INSERT, UPDATE, DELETE ON users, guard_changes, guard_feed TO {role}"
+            f"CREATE ROLE {role} LOGIN; GRANT SELECT, INSERT, UPDATE, DELETE "
+            f"ON users, guard_events, guard_ticks, guard_feed TO {role}"
         )
         try:
             writer_url = url.replace("postgresql://postgres@", f"postgresql://{role}@")
             db = await open_database(writer_url, table=TableSpec("users", "id"))
             try:
-                assert await db.put("1", '{"name": "Ann"}') is True
+                assert (await db.put("1", '{"name": "Ann"}')).created is True
                 assert [c.item for c in await db.changes_after(0, 10)] == ["1"]
             finally:
                 await db.close()
         finally:
             await conns[0].execute(
-                f"REVOKE ALL ON users, guard_changes, guard_feed FROM {role}; DROP ROLE {role}"
+                f"REVOKE ALL ON users, guard_events, guard_ticks, guard_feed FROM {role}; "
+                f"DROP ROLE {role}"
             )
 
     async def test_a_table_of_another_schema(
@@ -344,7 +338,7 @@ class TestTables:
                 (True, "1"),
                 (False, "1"),
             ]
-            assert await conns[1].fetchval("SELECT count(*) FROM sales.guard_changes") == 2
+            assert await conns[1].fetchval("SELECT count(*) FROM sales.guard_events") == 2
         finally:
             await db.close()
 
@@ -381,7 +375,7 @@ class TestTables:
             assert bad.value.loc[:2] == ("body", "value")
             with pytest.raises(RecordInputError):
                 await db.put(str(2**63), '{"email": "a"}')
-            assert await db.put("1", '{"email": "a", "age": 3}') is True
+            assert (await db.put("1", '{"email": "a", "age": 3}')).created is True
             assert await db.count() == 1 and await db.newest_change() == 1
         finally:
             await db.close()

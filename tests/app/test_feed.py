@@ -10,11 +10,12 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import asyncpg
 import pytest
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.db import SnapshotHook
-from app.feed import FilterDiverged, FilterMissing, OtherSource, ReplayImpossible
+from app.feed import FilterMissing, Follower, OtherSource, ReplayImpossible
 from devkit.processes import stop_process
 from guard import CuckooFilter
 from guard.changes import ApplyResult, Change
@@ -60,6 +61,12 @@ async def assert_filter_is_table(svc: Service, gone: tuple[str, ...] = ()) -> No
 
 async def caught_up(svc: Service) -> bool:
     return await svc.records.filter.applied_change() == await svc.db.newest_change()
+
+
+def new_follower(svc: Service) -> Follower:
+    """Another follower of the records filter: another worker's, or a restarted one."""
+    store = svc.records
+    return Follower(store.filter, svc.db, store.settings, pinned=store.rebuilder.pinned)
 
 
 async def start_on(start: StartService, db_url: str, **overrides: Any) -> Service:
@@ -118,7 +125,7 @@ class TestFollower:
         )
         await other("DELETE FROM records WHERE key IN ('d-3', 'd-9', 'user-1', 'user-2')")
         await other("INSERT INTO records (key, value) VALUES ('d-3', '1')")  # back again
-        crashed = svc.records.follower()
+        crashed = new_follower(svc)
         real_apply = CuckooFilter.apply_changes
         calls = 0
 
@@ -137,8 +144,7 @@ class TestFollower:
             await crashed.catch_up()
         monkeypatch.undo()
         # The restarted follower, and a second one (another worker) at the same time.
-        store = svc.records
-        again = [store.follower(), store.follower()]
+        again = [new_follower(svc), new_follower(svc)]
         applied = await asyncio.gather(*(f.catch_up() for f in again))
         assert applied == [await svc.db.newest_change()] * 2
         await assert_filter_is_table(svc, gone=("d-9", "user-1", "user-2"))
@@ -198,55 +204,124 @@ class TestFollower:
         assert proc.returncode == 0, out  # SIGTERM: a clean stop
 
 
-class TestWrites:
-    """A service write applies its own change; a rolled-back one leaves nothing."""
+class TestLongTransactions:
+    """A transaction held open does not hold back the changes committed meanwhile."""
 
-    @pytest.mark.parametrize("insert", [True, False], ids=["put", "delete"])
-    async def test_rolled_back_write_leaves_the_filter_as_before(
-        self, start: StartService, db_url: str, insert: bool, monkeypatch: pytest.MonkeyPatch
+    async def test_the_others_are_applied_while_one_is_held(
+        self, start: StartService, pg_url: str
     ) -> None:
-        svc = await start_on(start, db_url, feed=False)
-        store = svc.records
-        key = "doomed" if insert else "user-6"
+        svc = await start_on(start, pg_url)
+        cf = svc.records.filter
+        holder = await asyncpg.connect(pg_url)
+        others = await asyncpg.connect(pg_url, server_settings={"statement_timeout": "10s"})
+        try:
+            held = holder.transaction()
+            await held.start()
+            await holder.execute("INSERT INTO records VALUES ('held', '1')")
+            for n in range(5):
+                await others.execute("INSERT INTO records VALUES ($1, '1')", f"meanwhile-{n}")
 
-        async def state() -> tuple[int, int, int]:
-            cf = store.filter
-            return (await cf.info()).items, await cf.applied_change(), await cf.count(key)
+            async def all_meanwhile() -> bool:
+                return all(await cf.lookup_many([f"meanwhile-{n}" for n in range(5)]))
 
-        before = await state()
-        real_apply = store.writes._apply
+            await until(all_meanwhile, "the follower applied the others' rows")
+            assert not await cf.lookup("held")  # not committed: not applied
+            await held.commit()
+            await until(lambda: cf.lookup("held"), "the held row applied once committed")
+            await assert_filter_is_table(svc)
+        finally:
+            await holder.close()
+            await others.close()
 
-        async def apply_then_fail(change: Change, source: int) -> None:
-            await real_apply(change, source)  # in the filter, inside the transaction
-            raise OSError("connection to the database lost")
 
-        monkeypatch.setattr(store.writes, "_apply", apply_then_fail)
-        with pytest.raises(OSError, match="lost"):
-            await (store.put(key, 1) if insert else store.delete(key))
-        monkeypatch.undo()
-        assert await state() == before
-        # The id went back to the database too; the next write takes it and is applied.
-        assert await store.put("next", 1)
-        assert await store.filter.applied_change() == before[1] + 1
-        await assert_filter_is_table(svc, gone=("doomed",))
+class TestWrites:
+    """A service write is in the filter when it answers, through the feed, applied once."""
 
-    async def test_write_finding_its_change_applied_flags_the_filter(
+    async def test_a_write_is_in_the_filter_when_it_answers(
         self, start: StartService, db_url: str
     ) -> None:
-        """A rolled-back delete whose undo was lost: the next write gets its id again."""
-        svc = await start_on(start, db_url, feed=False)
-        store, source = svc.records, await svc.db.feed_source()
-        ghost = Change(await svc.db.newest_change() + 1, False, "user-9")
-        await store.filter.apply_changes([ghost], source=source)
-        r = await svc.client.put("/records/later", json={"value": 1}, headers=AUTH)
-        assert r.status_code == 201
-        assert (await svc.client.get("/records/later")).status_code == 200  # still findable
-        follower = store.follower()
-        with pytest.raises(FilterDiverged, match="rebuild"):
-            await follower.catch_up()
-        await store.rebuild()
-        assert await follower.catch_up() == await svc.db.newest_change()
+        svc = await start_on(start, db_url, feed=False)  # no follower: the write's own round
+        store = svc.records
+        r = await svc.client.put("/records/new", json={"value": 1}, headers=AUTH)
+        assert r.status_code == 201 and await store.filter.count("new") == 1
+        r = await svc.client.delete("/records/user-5", headers=AUTH)
+        assert r.status_code == 204 and await store.filter.count("user-5") == 0
+        assert await store.filter.applied_change() == await svc.db.newest_change()
+        # Another follower finds nothing left to apply: no change twice.
+        await new_follower(svc).catch_up()
+        await assert_filter_is_table(svc, gone=("user-5",))
+
+    async def test_a_write_committed_before_redis_failed_answers_success(
+        self, start: StartService, db_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Redis gone between the commit and the write's round: the row is written, so the
+        write says so; the follower applies the change once Redis answers."""
+        svc = await start_on(start, db_url)
+        store = svc.records
+        real_sync = store.follower.sync
+
+        async def sync_fails() -> int:
+            raise RedisTimeoutError("Timeout reading from socket")
+
+        monkeypatch.setattr(store.follower, "sync", sync_fails)
+        r = await svc.client.put("/records/late", json={"value": 1}, headers=AUTH)
+        assert r.status_code == 201 and await svc.db.get("late") == "1"
+        monkeypatch.setattr(store.follower, "sync", real_sync)
+        await until(lambda: caught_up(svc), "the follower applied the write")
         await assert_filter_is_table(svc)
+
+
+class TestCachesFollowTheFeed:
+    """What the caches hold of a key goes when the feed applies a change of it, in every
+    process, whoever wrote it."""
+
+    async def test_a_row_inserted_behind_the_service_drops_its_negative_entry(
+        self, start: StartService, db_url: str, other: Other
+    ) -> None:
+        svc = await start_on(start, db_url)
+        await svc.records.filter.insert("ghost")  # a false positive, as far as the table goes
+        got = await svc.client.get("/records/ghost")
+        assert (got.status_code, got.headers["x-guard"]) == (404, "passed")  # now cached
+        await other("INSERT INTO records (key, value) VALUES ('ghost', '\"here\"')")
+        await until(lambda: caught_up(svc), "the follower applied the insert")
+        got = await svc.client.get("/records/ghost")
+        assert (got.status_code, got.json()) == (200, {"key": "ghost", "value": "here"})
+
+    async def test_an_update_behind_the_service_is_read_at_once(
+        self, start: StartService, db_url: str, other: Other
+    ) -> None:
+        """UPDATEs of other columns are not in the feed: rows are not cached by default."""
+        svc = await start_on(start, db_url)
+        assert (await svc.client.get("/records/user-3")).json()["value"] == "value-3"
+        await other("UPDATE records SET value = '\"changed\"' WHERE key = 'user-3'")
+        assert (await svc.client.get("/records/user-3")).json()["value"] == "changed"
+
+    async def test_a_row_deleted_and_inserted_again_is_read_anew(
+        self, start: StartService, db_url: str, other: Other
+    ) -> None:
+        """Rows cached on request: a delete and an insert of the key drop the cached row."""
+        svc = await start_on(start, db_url, cache_ttl=300)
+        assert (await svc.client.get("/records/user-4")).json()["value"] == "value-4"
+        await other("DELETE FROM records WHERE key = 'user-4'")
+        await other("INSERT INTO records (key, value) VALUES ('user-4', '\"again\"')")
+        await until(lambda: caught_up(svc), "the follower applied both")
+        assert (await svc.client.get("/records/user-4")).json()["value"] == "again"
+
+    async def test_another_process_sees_the_entries_go(
+        self, start: StartService, db_url: str, other: Other
+    ) -> None:
+        """Two service processes: the one without a follower caches, the other one's
+        follower applies the change, and the first one's readers see the row."""
+        following = await start_on(start, db_url)
+        reader = await start_on(start, db_url, feed=False, cache_ttl=300)
+        await reader.records.filter.insert("later")
+        assert (await reader.client.get("/records/later")).status_code == 404  # cached
+        assert (await reader.client.get("/records/user-6")).json()["value"] == "value-6"
+        await other("INSERT INTO records (key, value) VALUES ('later', '1')")
+        await other("DELETE FROM records WHERE key = 'user-6'")
+        await until(lambda: caught_up(following), "the other process applied both")
+        assert (await reader.client.get("/records/later")).json() == {"key": "later", "value": 1}
+        assert (await reader.client.get("/records/user-6")).status_code == 404
 
 
 class TestNeedsRebuild:
@@ -255,7 +330,7 @@ class TestNeedsRebuild:
     async def test_missing_filter(self, start: StartService, db_url: str) -> None:
         svc = await start_on(start, db_url, feed=False)
         await svc.records.filter.drop()
-        follower = svc.records.follower()
+        follower = new_follower(svc)
         with pytest.raises(FilterMissing):
             await follower.catch_up()
         await svc.records.rebuild()
@@ -268,7 +343,7 @@ class TestNeedsRebuild:
         await cf.drop()
         await cf.reserve(1000, applied=1, source=(await svc.db.feed_source()) ^ 1)
         with pytest.raises(OtherSource, match="follows change log"):
-            await svc.records.follower().catch_up()
+            await new_follower(svc).catch_up()
 
     async def test_log_compacted_past_an_older_copy(
         self, start: StartService, db_url: str, other: Other
@@ -278,7 +353,7 @@ class TestNeedsRebuild:
         older = await redis.dump(cf.key(0))
         await other("INSERT INTO records (key, value) VALUES ('new-1', '1')")
         await other("INSERT INTO records (key, value) VALUES ('new-2', '1')")
-        follower = svc.records.follower()
+        follower = new_follower(svc)
         applied = await follower.catch_up()
         assert await follower.compact() > 0
         assert await svc.db.oldest_change() == applied + 1
@@ -319,7 +394,8 @@ class TestRebuild:
         store, db = svc.records, svc.db
         for n in range(20):
             await other(f"INSERT INTO records (key, value) VALUES ('a-{n}', '1')")
-        follower = store.follower()
+            await db.newest_change()  # each its own batch: PostgreSQL compacts whole ones
+        follower = new_follower(svc)
         applied = await follower.catch_up()
         await follower.compact()
         assert await db.oldest_change() == applied - 5 + 1
@@ -337,6 +413,7 @@ class TestRebuild:
         assert snapshot == applied
         for n in range(10):
             await other(f"INSERT INTO records (key, value) VALUES ('b-{n}', '1')")
+            await db.newest_change()
         assert await follower.catch_up() == applied + 10
         await follower.compact()
         assert await db.oldest_change() == snapshot + 1  # what the rebuild still needs

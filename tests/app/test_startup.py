@@ -236,7 +236,8 @@ class TestOpenAPI:
 class TestMetrics:
     """Prometheus text, on a registry of the app's own."""
 
-    async def test_metrics_content(self, svc: Service) -> None:
+    async def test_metrics_content(self, start: StartService) -> None:
+        svc = await start(cache_ttl=300)  # rows cached: the second read is a cache hit
         await svc.client.get("/records/user-1")
         await svc.client.get("/records/user-1")
         await svc.client.get("/records/absent")

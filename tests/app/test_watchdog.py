@@ -12,8 +12,6 @@ rebuild.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -179,22 +177,6 @@ class TestWatermark:
         assert not rig.watchdog.stale and rig.catch_ups == 2 and rig.rebuilds == 0
         assert await rig.all_found()
 
-    async def test_a_write_undone_is_not_stale(self, rig: Rig) -> None:
-        """The service's own write applies its change, then its transaction fails and the
-        change is undone: the id goes back by one, and nothing is missing."""
-        await rig.watchdog.start()
-
-        async def apply_then_fail(change: Change) -> None:
-            await rig.cf.apply_changes([change], source=rig.source)
-            await rig.watchdog.check()  # sees the change applied before its commit
-            await rig.cf.undo_change(change, source=rig.source)
-            raise RuntimeError("commit failed")
-
-        with pytest.raises(RuntimeError):
-            await rig.db.put("doomed", '"x"', apply_then_fail)
-        await rig.watchdog.check()
-        assert rig.watchdog.opened == 0
-
     async def test_a_compacted_log_means_a_rebuild(self, rig: Rig, other: Other) -> None:
         await rig.watchdog.start()
         copy = await rig.redis.dump(rig.cf.key(0))
@@ -208,40 +190,41 @@ class TestWatermark:
         assert not rig.watchdog.stale and await rig.all_found()
 
     async def test_a_database_that_lost_commits_means_a_rebuild(
-        self, rig: Rig, other: Other
+        self, rig: Rig, other: Other, db_url: str
     ) -> None:
         """The database goes back (a backup restored, a replica that lacked the last commits)
-        while the filter keeps them: the ids come again, and a replay would skip the new
-        rows under them as applied."""
+        while the filter keeps them: the positions come again, and a replay would skip the
+        new rows under them as applied."""
+        before = await rig.db.newest_change()
         await direct_insert(other, "lost-1", "lost-2", "lost-3")
         await rig.catch_up()
         await rig.watchdog.start()
-        newest = await rig.db.newest_change()
-        # The database as it was before the three inserts: rows, log and counter.
+        # The database as it was before the three inserts: rows, and its change feed.
         await other("DELETE FROM records WHERE key IN ('lost-1', 'lost-2', 'lost-3')")
-        await other(f"DELETE FROM guard_changes WHERE id > {newest - 3}")
-        await other(f"UPDATE guard_feed SET last_id = {newest - 3}")
-        await direct_insert(other, "reborn-1")  # takes an id the filter holds as applied
+        if db_url.startswith("sqlite:"):
+            await other(f"DELETE FROM guard_changes WHERE id > {before}")
+            await other(f"UPDATE guard_feed SET last_id = {before}")
+        else:
+            await other(f"DELETE FROM guard_ticks WHERE position > {before}")
+            await other(
+                "DELETE FROM guard_events e USING (SELECT snapshot FROM guard_ticks "
+                "ORDER BY tick DESC LIMIT 1) t WHERE NOT pg_visible_in_snapshot(e.txid, t.snapshot)"
+            )
+        await direct_insert(other, "reborn-1")  # takes a position the filter holds as applied
         await rig.watchdog.check()
         assert rig.watchdog.incident is not None and rig.watchdog.incident.reason == AHEAD
         await rig.watchdog.tick()
         assert rig.rebuilds == 1 and not rig.watchdog.stale
         assert await rig.cf.lookup("reborn-1") and await rig.all_found()
 
-    async def test_one_write_in_flight_is_not_ahead(self, rig: Rig) -> None:
-        """A write through the service applies its change before its commit: one past the
-        newest change, for a moment, is current."""
+    async def test_applied_past_the_feed_is_ahead_at_once(self, rig: Rig) -> None:
+        """Changes reach the filter only from the feed: a filter one change past the newest
+        has a change the database does not (no write in flight excuses it)."""
         await rig.watchdog.start()
-
-        async def apply_then_look(change: Change) -> None:
-            await rig.cf.apply_changes([change], source=rig.source)
-            await rig.watchdog.check()
-            rig.clock.now += MAX_LAG * 0.5
-            await rig.watchdog.check()
-
-        await rig.db.put("in-flight", '"x"', apply_then_look)
-        await rig.watchdog.check()
-        assert rig.watchdog.opened == 0
+        newest = await rig.db.newest_change()
+        await rig.cf.apply_changes([Change(newest + 1, True, "ghost")], source=rig.source)
+        await rig.watchdog.check()  # no time passed
+        assert rig.watchdog.incident is not None and rig.watchdog.incident.reason == AHEAD
 
 
 class TestLostFilter:
@@ -291,27 +274,44 @@ class TestAudit:
     async def test_rows_not_yet_applied_are_no_miss(
         self, rig: Rig, other: Other, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """Rows in the follower's window read absent; the confirmation, under the write
-        barrier, waits for the follower (started here only then) to apply what is committed,
-        and finds them."""
+        """Rows in the follower's window read absent; the confirmation reads them again in a
+        snapshot of known position, waits for the follower (started here only then) to
+        apply that far, and finds them."""
         await rig.watchdog.start()
         await direct_insert(other, *[f"window-{i}" for i in range(ROWS)])
-        barrier = rig.db.write_barrier
+        present_at = rig.db.present_at
         followers: list[asyncio.Task[None]] = []
 
-        @asynccontextmanager
-        async def barrier_then_follow() -> AsyncIterator[None]:
-            async with barrier():
-                followers.append(asyncio.create_task(Follower(rig.cf, rig.db, Settings()).run()))
-                yield
+        async def read_then_follow(keys: list[str]) -> tuple[int, list[str]]:
+            got = await present_at(keys)
+            followers.append(asyncio.create_task(Follower(rig.cf, rig.db, Settings()).run()))
+            return got
 
-        monkeypatch.setattr(rig.db, "write_barrier", barrier_then_follow)
+        monkeypatch.setattr(rig.db, "present_at", read_then_follow)
         try:
             assert await rig.watchdog.audit() == CLEAN
         finally:
             for task in followers:
                 task.cancel()
         assert followers and rig.watchdog.opened == 0
+
+    async def test_a_key_deleted_after_the_snapshot_is_no_miss(
+        self, rig: Rig, other: Other, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Read present in the snapshot, deleted and applied before the lookup: the change
+        after the snapshot explains the absence."""
+        await rig.watchdog.start()
+        present_at = rig.db.present_at
+
+        async def read_then_delete(keys: list[str]) -> tuple[int, list[str]]:
+            got = await present_at(keys)
+            await other("DELETE FROM records WHERE key = 'row-7'")
+            await rig.catch_up()
+            return got
+
+        monkeypatch.setattr(rig.db, "present_at", read_then_delete)
+        assert await rig.watchdog._confirm(["row-7"]) == INCONCLUSIVE
+        assert rig.watchdog.opened == 0
 
     async def test_unconfirmed_while_the_follower_is_behind(self, rig: Rig, other: Other) -> None:
         """No follower: the misses stay unconfirmed (the watchdog applies nothing itself),
