@@ -35,6 +35,7 @@ from typing import IO, Any, BinaryIO
 
 from redis.exceptions import ReadOnlyError, ResponseError
 
+from guard import scripts
 from guard.errors import FilterCorruptError, FilterNotFoundError, GuardError
 from guard.filter import SyncCuckooFilter
 from guard.layout import (
@@ -146,11 +147,9 @@ def _read(
     for n, start, size in ranges:
         pipe.getrange(keys[n], start, start + size - 1)
     replies = pipe.execute(raise_on_error=False)
-    for k, reply in enumerate(replies):
-        if isinstance(reply, ResponseError) and "WRONGTYPE" in str(reply):
-            raise FilterCorruptError(name, f"{names[k // 3]} holds another type")
-        if isinstance(reply, Exception):
-            raise reply
+    for reply in replies:
+        if isinstance(reply, ResponseError):
+            raise scripts.map_error(reply, name) from reply
     stored = [Stored(key, *replies[3 * n : 3 * n + 3]) for n, key in enumerate(names)]
     return stored, replies[3 * len(keys) :]
 

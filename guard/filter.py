@@ -114,7 +114,7 @@ class FilterOps:
 
     def _refused_ro(self, exc: BaseException, used: str) -> bool:
         """Whether ``exc`` is fakeredis refusing BITFIELD_RO: then BITFIELD reads (same GETs)."""
-        if used == "BITFIELD_RO" and "bitfield_ro" in str(exc).lower():
+        if isinstance(exc, scripts.UnknownCommandError) and exc.command == used == "BITFIELD_RO":
             self._read_command = "BITFIELD"
             return True
         return False
@@ -219,7 +219,8 @@ class FilterOps:
             except ResponseError as exc:
                 # Redis 6.2 and fakeredis have no EVALSHA_RO; EVALSHA of a script that only
                 # reads runs on a replica all the same.
-                if read_only and "_ro" in str(exc).lower() and "unknown command" in str(exc):
+                unknown = isinstance(exc, scripts.UnknownCommandError) and exc.command
+                if read_only and unknown in ("EVALSHA_RO", "EVAL_RO"):
                     self._read_scripts = False
                     continue
                 raise
