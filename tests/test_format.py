@@ -7,8 +7,11 @@ from collections.abc import Callable
 
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from redis.exceptions import ResponseError
 
-from guard import FilterCorruptError, SyncCuckooFilter, layout
+from guard import FilterCorruptError, SyncCuckooFilter, layout, scripts
 from guard.dump import export_filter
 from tests.reference import unpack_table
 
@@ -105,3 +108,78 @@ class TestRefused:
         for op in every_operation(cf):
             with pytest.raises(FilterCorruptError, match="disagrees with sub-filter 0"):
                 op()
+
+
+# (what, which string, byte offset, byte value), each reduced to the filter at hand.
+_DAMAGE = st.tuples(
+    st.sampled_from(["header", "subfilter-header", "tag", "truncate", "extend", "retype"]),
+    st.integers(0, 31),
+    st.integers(0, layout.HEADER_BYTES - 1),
+    st.integers(0, 255),
+)
+
+
+class TestCheckersAgree:
+    """guard/layout.py:verify_stored and _common.lua's check, given the same damaged bytes,
+    find them valid or corrupt alike (the Lua told the stored layout, as a caller that
+    probed them would; a missing sub-filter 0 aside, which the scripts leave to the probe)."""
+
+    @settings(
+        max_examples=100,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
+    )
+    @given(damages=st.lists(_DAMAGE, min_size=1, max_size=3), by_error_rate=st.booleans())
+    def test_same_verdict(
+        self,
+        sync_redis: redis.Redis,
+        prefix: str,
+        damages: list[tuple[str, int, int, int]],
+        by_error_rate: bool,
+    ) -> None:
+        cf = SyncCuckooFilter(sync_redis, f"agree{by_error_rate}", prefix=prefix)
+        cf.drop()
+        sizing = {"error_rate": 0.01} if by_error_rate else {"fingerprint_bits": 8}
+        cf.reserve(40, bucket_size=2, seed=4, **sizing)
+        cf.insert_many([f"k{i}" for i in range(400)])
+        keys = [cf.key(n) for n in range(layout.MAX_SUBFILTERS)]
+        count = cf.info().subfilters
+        assert count >= 3
+        for what, which, at, value in damages:
+            key = keys[0 if what == "header" else 1 + which % (count - 1)]
+            data = sync_redis.get(key) if sync_redis.type(key) == b"string" else None
+            if data is None:
+                continue
+            if what in ("header", "subfilter-header"):
+                sync_redis.setrange(key, at, bytes([value]))
+            elif what == "tag":
+                sync_redis.setrange(key, len(data) - 1 - at % layout.TAG_BYTES, bytes([value]))
+            elif what == "truncate":
+                sync_redis.set(key, data[: -(1 + at)])
+            elif what == "extend":
+                sync_redis.append(key, bytes([value]) * (1 + at % 3))
+            else:
+                sync_redis.delete(key)
+                sync_redis.hset(key, "a", value)
+        python_ok = lua_ok = True
+        pipe = sync_redis.pipeline()
+        for key in keys:
+            for command, args in layout.probe_reads(key):
+                pipe.execute_command(command, *args)
+        replies = pipe.execute(raise_on_error=False)
+        try:
+            if any(isinstance(r, Exception) for r in replies):  # a key of another type
+                raise FilterCorruptError("f", "WRONGTYPE")
+            stored = [layout.Stored(key, *replies[3 * n : 3 * n + 3]) for n, key in enumerate(keys)]
+            layout.verify_stored("f", stored)
+        except FilterCorruptError:
+            python_ok = False
+        head = replies[0]
+        told = layout.unpack_header(head).layout if len(head) == layout.HEADER_BYTES else cf._layout
+        try:
+            reply = scripts.register(sync_redis)["count"](keys=keys, args=told.args())
+            assert reply[0] == scripts.OK, reply  # never STALE: told what is stored
+        except ResponseError as exc:
+            assert isinstance(scripts.map_error(exc, "f"), FilterCorruptError), exc
+            lua_ok = False
+        assert python_ok == lua_ok
