@@ -133,9 +133,11 @@ class FilterOps:
         return GuardError(f"{self.name}: layout kept changing {during}", filter=self.name)
 
     def _probe_round(self, count: int) -> Round:
-        """One MULTI of read-only commands: whether sub-filters 0 and 1 exist, then each of
-        the first ``count`` sub-filters' header, length and tag (guard/layout.py)."""
-        calls: list[Call | Command] = [Command("EXISTS", [self.key(n)]) for n in (0, 1)]
+        """One MULTI of read-only commands: whether sub-filter 0 exists, how many of the
+        others' keys do, then each of the first ``count`` sub-filters' header, length and tag
+        (guard/layout.py)."""
+        keys = self._keys(MAX_SUBFILTERS)
+        calls: list[Call | Command] = [Command("EXISTS", keys[:1]), Command("EXISTS", keys[1:])]
         for n in range(count):
             calls += [Command(*read) for read in probe_reads(self.key(n))]
         return Round(calls, atomic=True)

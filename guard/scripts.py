@@ -21,7 +21,6 @@ from guard import layout, ops
 from guard.errors import (
     FilterCorruptError,
     FilterExistsError,
-    FilterNotFoundError,
     GuardError,
     InvalidParameterError,
 )
@@ -120,7 +119,6 @@ def _unknown_command(exc: ResponseError, rest: str) -> Exception:
 # (_common.lua: guard_error); redis-py passes an ERR reply on without its code, so an unknown
 # command reads "unknown command ...". Each entry: (filter, error, text after the code).
 _REPLIES: dict[str, Callable[[str, ResponseError, str], Exception]] = {
-    "GUARD_NOTFOUND": lambda f, _, reason: FilterNotFoundError(f"{f}: {reason}", filter=f),
     "GUARD_CORRUPT": lambda filter, _, reason: FilterCorruptError(filter, reason),
     "GUARD_EXISTS": lambda f, _, reason: FilterExistsError(f"{f}: {reason}", filter=f),
     "GUARD_BADARG": lambda f, _, reason: InvalidParameterError(f"{f}: {reason}", filter=f),

@@ -11,7 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import ResponseError
 
-from guard import FilterCorruptError, SyncCuckooFilter, layout, scripts
+from guard import (
+    FilterCorruptError,
+    FilterNotFoundError,
+    SyncCuckooFilter,
+    SyncShardedCuckooFilter,
+    layout,
+    scripts,
+)
 from guard.dump import export_filter
 from tests.reference import unpack_table
 
@@ -183,3 +190,62 @@ class TestCheckersAgree:
             assert isinstance(scripts.map_error(exc, "f"), FilterCorruptError), exc
             lua_ok = False
         assert python_ok == lua_ok
+
+
+class TestWhichKeysMakeAFilter:
+    """docs/format.md, "Keys": a filter is not found only when none of its sub-filter keys
+    exists; any of them left without sub-filter 0 is corruption, never "not found" (which a
+    caller may read as "holds nothing")."""
+
+    @pytest.fixture
+    def grown(self, cf: SyncCuckooFilter) -> SyncCuckooFilter:
+        cf.insert_many([f"k{i}" for i in range(600)])
+        assert cf.info().subfilters >= 3
+        return cf
+
+    def test_partly_deleted_is_corrupt(
+        self, grown: SyncCuckooFilter, sync_redis: redis.Redis
+    ) -> None:
+        """Sub-filters 0 and 1 deleted, 2 left: every call, cached handle or fresh."""
+        sync_redis.delete(grown.key(0), grown.key(1))
+        calls = [*every_operation(grown), lambda: grown.lookup("k1"),
+                 lambda: grown.lookup_many(["k1", "k2"])]  # fmt: skip
+        for call in calls:
+            with pytest.raises(FilterCorruptError, match=r"\{fmt\} is missing"):
+                call()
+
+    def test_stale_handle_sees_the_keys_it_was_not_given(
+        self, cf: SyncCuckooFilter, sync_redis: redis.Redis
+    ) -> None:
+        """A handle that knows one sub-filter sends one key; sub-filter 2 still counts."""
+        other = SyncCuckooFilter(sync_redis, cf.name, prefix=cf.prefix)
+        other.insert_many([f"k{i}" for i in range(600)])
+        sync_redis.delete(cf.key(0), cf.key(1))
+        assert cf._layout.subfilters == 1
+        for call in (lambda: cf.count("k1"), lambda: cf.insert("x"), lambda: cf.delete("k1")):
+            with pytest.raises(FilterCorruptError, match="is missing"):
+                call()
+
+    def test_drop_removes_what_is_left(
+        self, grown: SyncCuckooFilter, sync_redis: redis.Redis
+    ) -> None:
+        sync_redis.delete(grown.key(0), grown.key(1))
+        assert grown.drop() is True
+        assert not sync_redis.exists(*(grown.key(n) for n in range(layout.MAX_SUBFILTERS)))
+        for call in every_operation(grown):
+            with pytest.raises(FilterNotFoundError):
+                call()
+        assert grown.drop() is False
+
+    def test_sharded_partly_deleted_is_corrupt(self, sync_redis: redis.Redis, prefix: str) -> None:
+        """Every shard's sub-filters 0 and 1 deleted, one shard's sub-filter 2 left."""
+        sharded = SyncShardedCuckooFilter(sync_redis, "sh", prefix, shards=2)
+        sharded.reserve(80, fingerprint_bits=8, bucket_size=2)
+        sharded.insert_many([f"k{i}" for i in range(1200)])
+        left = [i for i in range(2) if sync_redis.exists(sharded.key(i, 2))]
+        assert left
+        sync_redis.delete(*(sharded.key(i, n) for i in range(2) for n in range(2)))
+        fresh = SyncShardedCuckooFilter(sync_redis, "sh", prefix, shards=2)
+        for call in (lambda: sharded.lookup("k1"), fresh.info, lambda: fresh.lookup("k1")):
+            with pytest.raises(FilterCorruptError, match="missing"):
+                call()

@@ -177,13 +177,9 @@ local function full_check(L, base)
   local key0 = KEYS[base + 1]
   local h0, err = read_header(key0)
   if err then return err end
-  if h0 == '' and redis.call('EXISTS', key0) == 0 then
-    -- What is left of a filter is no filter, but never "absent".
-    if KEYS[base + 2] and redis.call('EXISTS', KEYS[base + 2]) == 1 then
-      return guard_error('CORRUPT', key0 .. ' is missing')
-    end
-    return guard_error('NOTFOUND', 'no such filter')
-  end
+  -- No sub-filter 0: gone, or damaged if another of its keys is left. Only the client can
+  -- tell which (a script sees only the keys it was given): STALE sends it to its probe.
+  if h0 == '' and redis.call('EXISTS', key0) == 0 then return {STALE} end
   local problem = header_problem(h0)
   if problem then return guard_error('CORRUPT', key0 .. ': ' .. problem) end
   local stored = {}
@@ -212,8 +208,9 @@ end
 -- The one check of the stored bytes every script runs first (docs/format.md, "Valid values"),
 -- on the filter whose sub-filter n is KEYS[base + n + 1]. Returns nil when every sub-filter is
 -- valid and laid out as L says, {STALE} when sub-filter 0's header is valid but holds another
--- layout (the client then reads and verifies it: guard/layout.py:verify_stored), or an error;
--- and, when it returns nil, sub-filter 0's header as a second value (applied, source).
+-- layout or is missing (the client then reads and verifies the filter: guard/filter.py's
+-- probe, which also tells a filter gone from one with keys left), or an error; and, when it
+-- returns nil, sub-filter 0's header as a second value (applied, source).
 -- Only read-only commands: the check runs as well on a read-only replica.
 --
 -- The fast test passes only when every check full_check makes passes and the stored layout
