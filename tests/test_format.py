@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -196,6 +197,16 @@ class TestCheckersAgree:
             assert isinstance(scripts.map_error(exc, "f"), FilterCorruptError), exc
             lua_ok = False
         assert python_ok == lua_ok
+
+
+def test_every_constant_is_written_into_the_scripts() -> None:
+    """A misspelt constant would be a nil global in Lua, failing only where it is used: no
+    name of the kinds guard/scripts.py writes in is left in any script."""
+    kinds = re.compile(r"\b(?:[A-Z0-9_]+_(?:AT|BYTES|BITS|FLAG|RANGES)|(?:MIN|MAX)_[A-Z0-9_]+)\b")
+    for name in scripts.PIECES:
+        source = scripts.source(name)
+        assert not kinds.findall(source), name
+        assert not re.findall(rf"\b(?:{'|'.join(scripts.CONSTANTS)})\b", source), name
 
 
 class TestWhichKeysMakeAFilter:

@@ -8,8 +8,9 @@
 --
 -- The format's numbers are Python's: every UPPER_CASE name below that no line here defines
 -- (HEADER_BYTES, ITEMS_AT, MAX_SHARDS, HEADER_RANGES, ...) is written in as a literal by
--- guard/scripts.py (CONSTANTS) from guard/layout.py, the one place they are written; a
--- field's offset is its name in guard/layout.py, upper-cased, with _AT.
+-- guard/scripts.py (CONSTANTS) from guard/layout.py, the one place they are written. A
+-- header field's offset is its name upper-cased with _AT (ITEMS_AT), the ends of its range
+-- MIN_ and MAX_ before it (MAX_ERROR_RATE, MAX_MAX_KICKS).
 --
 -- Numbers: Lua 5.1 holds integers below 2^53 exactly in doubles, so every product below is
 -- kept under 2^53 (no `bit`: fakeredis has none). `a % m` (a - floor(a / m) * m) is exact for
@@ -103,7 +104,7 @@ local function full_check(L, base)
     if h:sub(RESERVED_AT + 1) ~= ZEROS:sub(RESERVED_AT + 1) then
       return fmt('reserved bytes %d-%d are not zero', RESERVED_AT, HEADER_BYTES - 1)
     end
-    -- {name, byte offset, size, lowest, highest} per field (layout.py:FIELD_RANGES).
+    -- {name, byte offset, size, lowest, highest}: guard/layout.py's range of each field.
     for _, r in ipairs(HEADER_RANGES) do
       local v = field(h, r[2], r[3])
       if v < r[4] or v > r[5] then
