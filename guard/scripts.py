@@ -73,7 +73,9 @@ def _constants() -> dict[str, str]:
     # The limits a script enforces itself, from guard/ops.py.
     names |= {"KICK_BUDGET": ops.KICK_BUDGET, "RESERVE_MAX": ops.RESERVE_MAX,
               "ITEM_WORK": ops.ITEM_WORK}  # fmt: skip
-    return {name: str(value) for name, value in names.items()} | {"HEADER_RANGES": _lua_ranges()}
+    zeros = "'" + "\\0" * (layout.HEADER_BYTES - layout.RESERVED_AT) + "'"  # as a Lua string
+    lua = {"HEADER_RANGES": _lua_ranges(), "RESERVED_ZEROS": zeros}
+    return {name: str(value) for name, value in names.items()} | lua
 
 
 # The numbers the scripts share with Python, by the names the .lua files use: written into each

@@ -61,13 +61,6 @@ local function field(s, at, size)
   return v
 end
 
--- Whether b is one of BUCKET_SIZES: bit b of BUCKET_SIZE_BITS (their set, as the sum of
--- 2^size) is set. Exact for every integer b; arithmetic, since a table made on every call
--- costs the hot path as much as the rest of its test.
-local function bucket_size_ok(b)
-  return b >= 1 and (BUCKET_SIZE_BITS / 2 ^ b) % 2 >= 1
-end
-
 -- The 8 bytes sub-filter n's string must end in under L (guard/layout.py: Layout.tag): the
 -- count (sub-filter 0) or TAG_INDEX_FLAG + n, the DIGEST_BYTES-byte digest, TRAILER.
 local function expected_tag(L, n)
@@ -86,6 +79,11 @@ end
 local function full_check(L, base)
   local ZEROS = string.rep('\0', HEADER_BYTES)
   local fmt = string.format
+  -- Whether b is one of BUCKET_SIZES: bit b of BUCKET_SIZE_BITS (their set, as the sum of
+  -- 2^size) is set; exact for every integer b (check_layout has the same test inline).
+  local function bucket_size_ok(b)
+    return b >= 1 and (BUCKET_SIZE_BITS / 2 ^ b) % 2 >= 1
+  end
 
   -- What is wrong with sub-filter 0's header h on its own, or nil (layout.py:_header_problem).
   local function header_problem(h)
@@ -223,8 +221,10 @@ local function check_layout(base)
   base = base or 0
   local b, nsub, byte, fmt = L.b, L.nsub, string.byte, string.format
   -- L's layout fields within their ranges, so that a stored field equal to one is in range
-  -- too (a field L gets wrong in its type or width can equal no stored byte).
-  if not bucket_size_ok(b) or L.f0 < MIN_FP_BITS or L.f0 > MAX_FP_BITS
+  -- too (a field L gets wrong in its type or width can equal no stored byte). b is one of
+  -- BUCKET_SIZES when bit b of BUCKET_SIZE_BITS is set (arithmetic: a set made on every call
+  -- would cost as much as the rest of this test).
+  if b < 1 or (BUCKET_SIZE_BITS / 2 ^ b) % 2 < 1 or L.f0 < MIN_FP_BITS or L.f0 > MAX_FP_BITS
     or L.fstep > MAX_FP_STEP or L.exp > MAX_EXPANSION or nsub < MIN_SUBFILTERS
     or nsub > MAX_SUBFILTERS or L.kicks > MAX_MAX_KICKS or L.m0 < MIN_BUCKETS0
     or #KEYS < base + nsub or (L.exp == 0 and nsub ~= 1)
@@ -257,7 +257,7 @@ local function check_layout(base)
       + e8 > MAX_ERROR_RATE
     or ((((((x1 * 256 + x2) * 256 + x3) * 256 + x4) * 256 + x5) * 256 + x6) * 256 + x7) * 256
       + x8 > MAX_APPLIED
-    or h0:sub(RESERVED_AT + 1) ~= string.rep('\0', HEADER_BYTES - RESERVED_AT) then
+    or h0:sub(RESERVED_AT + 1) ~= RESERVED_ZEROS then
     return full_check(L, base)
   end
   local h = h0
