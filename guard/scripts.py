@@ -86,10 +86,16 @@ _NAMES = re.compile(r"\b(" + "|".join(CONSTANTS) + r")\b")
 
 
 @cache
-def source(name: str) -> str:
-    lua = files("guard") / "lua"
-    text = "\n".join((lua / f"{part}.lua").read_text() for part in [*PIECES[name], name])
+def _piece(part: str) -> str:
+    """guard/lua/<part>.lua with the constants written in (once per file: most scripts share
+    most pieces)."""
+    text = (files("guard") / "lua" / f"{part}.lua").read_text()
     return _NAMES.sub(lambda match: CONSTANTS[match[1]], text)
+
+
+@cache
+def source(name: str) -> str:
+    return "\n".join(_piece(part) for part in [*PIECES[name], name])
 
 
 def register(client: Any) -> dict[str, Any]:
