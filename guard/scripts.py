@@ -55,6 +55,7 @@ def _lua_ranges() -> str:
 
 
 def _constants() -> dict[str, str]:
+    """Each name the .lua files use for a number of Python's, and the Lua text it stands for."""
     names = {
         # Every header field's byte offset (docs/format.md, "Header"): ITEMS_AT and the rest.
         **{f"{field.upper()}_AT": at for field, at in layout.FIELD_AT.items()},
