@@ -438,14 +438,27 @@ def load_op(
         # only reference, and frees each array once done with it.
         return build(*sink.take(i), layout, header, name=handle.name)
 
-    try:
-        yield from stage._drop_op()  # an older staging copy
+    def upload() -> Op[None]:
         for i, filter_part in enumerate(target.parts):
             built = yield Work(partial(build_part, i))
             yield from upload_op(filter_part.key, built)
             del built
+
+    return (yield from staged_op(handle, stage, upload(), promote, only_if_new=not replace))
+
+
+def staged_op(
+    handle: Any, stage: Any, write: Op[None], promote: bool, only_if_new: bool
+) -> Op[Any]:
+    """The one way a filter is replaced whole (a bulk build, an import: guard/dump.py): ``write``
+    fills ``stage``, ``handle``'s staging copy, emptied first; promote swaps it in atomically
+    (with ``only_if_new``, only if no live filter exists). Any failure drops the staging copy
+    and leaves the live filter as it was. Returns the info of what was written."""
+    try:
+        yield from stage._drop_op()  # an older staging copy
+        yield from write
         if promote:
-            yield from stage._promote_op(only_if_new=not replace)
+            yield from stage._promote_op(only_if_new=only_if_new)
     except Exception:
         with suppress(Exception):  # a failure here must not hide the one being raised
             yield from stage._drop_op()

@@ -115,7 +115,7 @@ class FilterOps:
 
     def _refused_ro(self, exc: BaseException, used: str) -> bool:
         """Whether ``exc`` is fakeredis refusing BITFIELD_RO: then BITFIELD reads (same GETs)."""
-        if used == "BITFIELD_RO" and "bitfield_ro" in str(exc).lower():
+        if isinstance(exc, scripts.UnknownCommandError) and exc.command == used == "BITFIELD_RO":
             self._read_command = "BITFIELD"
             return True
         return False
@@ -134,9 +134,11 @@ class FilterOps:
         return GuardError(f"{self.name}: layout kept changing {during}", filter=self.name)
 
     def _probe_round(self, count: int) -> Round:
-        """One MULTI of read-only commands: whether sub-filters 0 and 1 exist, then each of
-        the first ``count`` sub-filters' header, length and tag (guard/layout.py)."""
-        calls: list[Call | Command] = [Command("EXISTS", [self.key(n)]) for n in (0, 1)]
+        """One MULTI of read-only commands: whether sub-filter 0 exists, how many of the
+        others' keys do, then each of the first ``count`` sub-filters' header, length and tag
+        (guard/layout.py)."""
+        keys = self._keys(MAX_SUBFILTERS)
+        calls: list[Call | Command] = [Command("EXISTS", keys[:1]), Command("EXISTS", keys[1:])]
         for n in range(count):
             calls += [Command(*read) for read in probe_reads(self.key(n))]
         return Round(calls, atomic=True)
@@ -220,7 +222,8 @@ class FilterOps:
             except ResponseError as exc:
                 # Redis 6.2 and fakeredis have no EVALSHA_RO; EVALSHA of a script that only
                 # reads runs on a replica all the same.
-                if read_only and "_ro" in str(exc).lower() and "unknown command" in str(exc):
+                unknown = isinstance(exc, scripts.UnknownCommandError) and exc.command
+                if read_only and unknown in ("EVALSHA_RO", "EVAL_RO"):
                     self._read_scripts = False
                     continue
                 raise

@@ -46,7 +46,9 @@ MAX_SOURCE = 2**64 - 1
 # Every sub-filter string ends in an 8-byte tag (Layout.tag), so that a lookup proves the
 # layout it reads with one 64-bit read instead of the whole header.
 TAG_BYTES = 8
+DIGEST_BYTES = 6  # the tag's middle (Layout.digest)
 TRAILER = 0xA5  # the tag's last byte: a truncated string loses it
+TAG_INDEX_FLAG = 0x80  # set in the tag's first byte by sub-filters n >= 1 (Layout.tag)
 MAX_SUBFILTERS = 32
 MAX_STRING_BYTES = 512 * 1024 * 1024  # Redis's proto-max-bulk-len default
 BUCKET_SIZES = (1, 2, 4, 8)
@@ -55,6 +57,7 @@ MAX_EXPANSION = 16
 MAX_KICKS_LIMIT = 4000  # keeps the worst single insert far below Redis's 5 s busy-script limit
 MAX_CAPACITY = 1 << 40
 MAX_SHARDS = 1024
+ERROR_RATE_SCALE = 10**12  # error_rate is stored as round(error_rate * ERROR_RATE_SCALE)
 # The load at a table's first failed insert with 500 kicks (median of 5 seeds at ~100k slots:
 # b=1 0.51, 2 0.874, 4 0.965, 8 0.990; docs/bench-core.md), less a margin so `capacity` items
 # fit a fixed-size filter. Small tables vary more (lowest of 40 seeds below 4k slots: b=2
@@ -65,8 +68,10 @@ SMALL_TABLE_LOAD = {1: 0.35, 2: 0.72, 4: 0.88, 8: 0.93}
 
 _HEADER = struct.Struct(f"{_CODES}{HEADER_BYTES - RESERVED_AT}x")
 assert _HEADER.size == HEADER_BYTES
-_SIZES = {name: struct.calcsize(code) for name, code in _FIELDS}
-_DIGEST_FIELDS = struct.Struct(">BBBBBHII")  # version, b, f0, step, expansion, kicks, m0, seed
+FIELD_SIZE = {name: struct.calcsize(code) for name, code in _FIELDS}
+# What the tag's digest hashes: version, b, f0, step, expansion (a byte each), max_kicks (2),
+# buckets0 and seed (4 each), big-endian: 15 bytes.
+DIGEST_FIELDS = struct.Struct(">BBBBBHII")
 
 
 @dataclass(frozen=True)
@@ -99,16 +104,17 @@ class Layout:
 
     @cached_property
     def digest(self) -> bytes:
-        """6 bytes pinning every field but ``subfilters``: the tag's middle, fixed at creation."""
+        """The tag's middle (DIGEST_BYTES): pins every field but ``subfilters``, fixed at
+        creation."""
         fields = (VERSION, self.bucket_size, self.fp_bits, self.fp_step, self.expansion,
                   self.max_kicks, self.buckets0, self.seed)  # fmt: skip
-        return hashlib.blake2b(_DIGEST_FIELDS.pack(*fields), digest_size=6).digest()
+        return hashlib.blake2b(DIGEST_FIELDS.pack(*fields), digest_size=DIGEST_BYTES).digest()
 
     def tag(self, n: int) -> bytes:
         """The last 8 bytes of sub-filter n's string under this layout."""
         # Sub-filter 0 counts the sub-filters (growth rewrites that byte); the others say which
         # one they are, with the top bit set so the two kinds never match (32 fits in 7 bits).
-        first = self.subfilters if n == 0 else 0x80 | n
+        first = self.subfilters if n == 0 else TAG_INDEX_FLAG | n
         return bytes([first]) + self.digest + bytes([TRAILER])
 
 
@@ -168,7 +174,7 @@ def pack_header(
         "version": VERSION,
         "shards": shards,
         "capacity": capacity,
-        "error_rate": round((error_rate or 0.0) * 1e12),
+        "error_rate": round((error_rate or 0.0) * ERROR_RATE_SCALE),
         "applied": applied,
         "source": source,
     }
@@ -197,7 +203,7 @@ def unpack_header(data: bytes) -> Header:
     (magic, version, b, f0, step, exp, nsub, index, _flags, m0, kicks, shards, seed, capacity,
      items, deletes, missed, eps_ppt, applied, source) = _HEADER.unpack_from(data)  # fmt: skip
     layout = Layout(b, f0, step, exp, nsub, kicks, m0, seed)
-    rate = eps_ppt / 1e12 if eps_ppt else None
+    rate = eps_ppt / ERROR_RATE_SCALE if eps_ppt else None
     return Header(magic, version, layout, index, shards, capacity, items, deletes, missed, rate,
                   applied, source)  # fmt: skip
 
@@ -222,15 +228,15 @@ def probe_reads(key: str) -> list[tuple[str, list[str | int]]]:
 
 
 # (field, lowest, highest): every header field with a range of its own (docs/format.md,
-# "Valid values"); _common.lua:header_problem checks the same list. The version comes first,
-# on its own: another version is not damage but another format.
-_RANGES = (
+# "Valid values"); guard/scripts.py writes the same list into _common.lua's full check. The
+# version comes first, on its own: another version is not damage but another format.
+FIELD_RANGES = (
     ("bucket_size", 1, 8), ("fp_bits", MIN_FP_BITS, MAX_FP_BITS), ("fp_step", 0, 1),
     ("expansion", 0, MAX_EXPANSION), ("subfilters", 1, MAX_SUBFILTERS), ("index", 0, 0),
     ("flags", 0, 0), ("buckets0", 1, 2**32 - 1), ("max_kicks", 0, MAX_KICKS_LIMIT),
     ("shards", 0, MAX_SHARDS), ("capacity", 1, MAX_CAPACITY), ("deletes", 0, 2**63 - 1),
     ("missed_deletes", 0, 2**63 - 1),
-    ("error_rate", 0, 10**12 - 1),  # stored times 10**12, below 1
+    ("error_rate", 0, ERROR_RATE_SCALE - 1),  # below 1
     ("applied", 0, MAX_CHANGE_ID),
 )  # fmt: skip
 
@@ -246,12 +252,12 @@ def version_problem(version: int) -> str:
 def _field(header: bytes, name: str) -> int:
     """A header field as an unsigned integer (a signed one's negative values read as huge)."""
     at = FIELD_AT[name]
-    return int.from_bytes(header[at : at + _SIZES[name]], "big")
+    return int.from_bytes(header[at : at + FIELD_SIZE[name]], "big")
 
 
 def _header_problem(header: bytes) -> str | None:
     """What is wrong with sub-filter 0's header on its own, or None."""
-    if len(header) < 5 or _field(header, "magic") != MAGIC:
+    if len(header) <= FIELD_AT["version"] or _field(header, "magic") != MAGIC:
         return "bad magic"
     version = _field(header, "version")
     if version != VERSION:
@@ -260,7 +266,7 @@ def _header_problem(header: bytes) -> str | None:
         return f"truncated: {len(header)} bytes long, shorter than a header"
     if any(header[RESERVED_AT:HEADER_BYTES]):
         return f"reserved bytes {RESERVED_AT}-{HEADER_BYTES - 1} are not zero"
-    for name, low, high in _RANGES:
+    for name, low, high in FIELD_RANGES:
         value = _field(header, name)
         if not low <= value <= high:
             return f"{name} {value} is out of range {low}-{high}"

@@ -1,8 +1,8 @@
 -- _add.lua: adding one item, shared by the scripts that add (insert, apply, undo). Everything
 -- goes through the slot store (_store.lua); finish() writes it all back.
 --
--- One call's work is limited (guard/ops.py: KICK_BUDGET, put before the script by
--- guard/scripts.py with RESERVE_MAX and ITEM_WORK): the scripts that add take their next item
+-- One call's work is limited (guard/ops.py: KICK_BUDGET, written in by guard/scripts.py
+-- with RESERVE_MAX and ITEM_WORK): the scripts that add take their next item
 -- only while `work + reserve` fits in KICK_BUDGET, `work` counting each item's kick steps plus
 -- ITEM_WORK for the rest of its cost, `reserve` the next item's worst case (ITEM_WORK plus
 -- max_kicks, or RESERVE_MAX if less); they answer for the items they took, and the caller
@@ -71,29 +71,31 @@ local function place_kicking(h, g, hp)
 end
 
 -- Adds sub-filter `subfilters`, expansion times the previous one, created at full size at
--- once. Returns OK (0), FULL (2) or NEEDKEYS (3). Header offsets: INDEX_AT 10,
--- ITEMS_AT 32, DELETES_AT 40, MISSED_AT 48, SUBFILTERS_AT 9, COMMON_BYTES 64.
+-- once. Returns OK (0), FULL (2) or NEEDKEYS (3).
 local function grow()
   local n = L.nsub
-  if L.exp == 0 or n >= 32 then return 2 end
+  if L.exp == 0 or n >= MAX_SUBFILTERS then return 2 end
   -- Past 32 bits a growing filter could not keep tightening, and its error bound would break.
-  if L.fstep > 0 and L.f0 + L.fstep * n > 32 then return 2 end
+  if L.fstep > 0 and L.f0 + L.fstep * n > MAX_FP_BITS then return 2 end
   local _, _, bytes = geometry(L, n)
-  if bytes > 536870912 then return 2 end  -- MAX_STRING_BYTES
+  if bytes > MAX_STRING_BYTES then return 2 end
   if #KEYS < n + 1 then return 3 end
   local key = KEYS[n + 1]
   redis.call('DEL', key)
-  -- The new tag: this sub-filter's index (top bit set), then the geometry digest copied from
-  -- sub-filter 0's tag, whose first byte (the sub-filter count) changes below.
+  -- The new tag: this sub-filter's index (TAG_INDEX_FLAG set), then the geometry digest
+  -- copied from sub-filter 0's tag, whose first byte (the sub-filter count) changes below.
   local _, _, bytes0 = geometry(L, 0)
-  local tag0 = bytes0 - 8
-  local digest = redis.call('GETRANGE', KEYS[1], tag0 + 1, tag0 + 6)
-  redis.call('SETRANGE', key, bytes - 8, string.char(128 + n) .. digest .. string.char(165))
-  -- The header bytes every sub-filter shares; the rest (applied, source) stays 0 here.
-  redis.call('SETRANGE', key, 0, redis.call('GETRANGE', KEYS[1], 0, 63))
-  redis.call('BITFIELD', key, 'SET', 'u8', 80, n, 'SET', 'i64', 256, 0,
-    'SET', 'i64', 320, 0, 'SET', 'i64', 384, 0)
-  redis.call('BITFIELD', KEYS[1], 'SET', 'u8', 72, n + 1, 'SET', 'u8', tag0 * 8, n + 1)
+  local tag0 = bytes0 - TAG_BYTES
+  local digest = redis.call('GETRANGE', KEYS[1], tag0 + 1, tag0 + DIGEST_BYTES)
+  redis.call('SETRANGE', key, bytes - TAG_BYTES,
+    string.char(TAG_INDEX_FLAG + n) .. digest .. string.char(TRAILER))
+  -- The header bytes every sub-filter shares (with the count n); the rest (applied, source)
+  -- stays 0 here. Then its own index, and its counters 0.
+  redis.call('SETRANGE', key, 0, redis.call('GETRANGE', KEYS[1], 0, COMMON_BYTES - 1))
+  redis.call('BITFIELD', key, 'SET', 'u8', INDEX_AT * 8, n, 'SET', 'i64', ITEMS_AT * 8, 0,
+    'SET', 'i64', DELETES_AT * 8, 0, 'SET', 'i64', MISSED_DELETES_AT * 8, 0)
+  redis.call('BITFIELD', KEYS[1], 'SET', 'u8', SUBFILTERS_AT * 8, n + 1,
+    'SET', 'u8', tag0 * 8, n + 1)
   L.nsub = n + 1
   return 0
 end

@@ -1,16 +1,16 @@
 -- _changes.lua: the change-feed watermark in sub-filter 0's header (docs/format.md, "Change
 -- feed"): `applied`, the id of the last database change applied, and `source`, the change log
--- followed, as 8 big-endian bytes each at APPLIED_AT (64) and SOURCE_AT (72). Used by
--- apply.lua and undo.lua.
+-- followed, as 8 big-endian bytes each at APPLIED_AT and SOURCE_AT. Used by apply.lua and
+-- undo.lua.
 
 -- The stored watermark of header h0: applied (a number) and source (8 bytes); or, when the
 -- filter follows another change log than `source`, the reply that says so (SOURCE, 5).
 local function watermark(h0, source)
-  local stored = h0:sub(73, 80)
+  local stored = h0:sub(SOURCE_AT + 1, SOURCE_AT + 8)
   if stored ~= string.rep('\0', 8) and stored ~= source then
     return nil, nil, {5, L.nsub, stored}
   end
-  return field(h0, 64, 8), stored, nil
+  return field(h0, APPLIED_AT, 8), stored, nil
 end
 
 -- Moves `applied` (and records `source` in a filter that follows no change log yet).
@@ -23,5 +23,5 @@ local function set_watermark(applied, stored, source)
   end
   local bytes = string.char(unpack(out))
   if stored ~= source then bytes = bytes .. source end
-  redis.call('SETRANGE', KEYS[1], 64, bytes)
+  redis.call('SETRANGE', KEYS[1], APPLIED_AT, bytes)
 end

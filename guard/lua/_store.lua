@@ -28,13 +28,13 @@ local function sub(n)
 end
 
 -- Reads bucket i of sub-filter s into s.t: one GETRANGE of the bytes holding its b slots
--- (the table starts at byte 128, HEADER_BYTES; offsets go as strings: Redis would format a
--- Lua number with %.17g).
+-- (the table starts at byte HEADER_BYTES; offsets go as strings: Redis would format a Lua
+-- number with %.17g).
 local function load(s, i)
   local b, f, t, byte, fmt = s.b, s.f, s.t, string.byte, string.format
   local k0 = i * b
   if f == 16 then
-    local at = 128 + k0 * 2
+    local at = HEADER_BYTES + k0 * 2
     local raw = redis.call('GETRANGE', s.key, fmt('%d', at), fmt('%d', at + 2 * b - 1))
     if b == 4 then
       local a1, a2, a3, a4, a5, a6, a7, a8 = byte(raw, 1, 8)
@@ -50,8 +50,8 @@ local function load(s, i)
     local floor = math.floor
     local start = k0 * f
     local q0 = floor(start / 8)
-    local raw = redis.call('GETRANGE', s.key, fmt('%d', 128 + q0),
-      fmt('%d', 128 + floor((start + b * f - 1) / 8)))
+    local raw = redis.call('GETRANGE', s.key, fmt('%d', HEADER_BYTES + q0),
+      fmt('%d', HEADER_BYTES + floor((start + b * f - 1) / 8)))
     local c = {byte(raw, 1, -1)}
     local lead = start - 8 * q0
     for j = 0, b - 1 do
@@ -82,8 +82,8 @@ end
 
 -- Writes every changed slot and counter: one BITFIELD per sub-filter touched (in pieces of
 -- 1500 sub-commands for a long batch: unpack() is capped below 8000 values), none when
--- nothing changed. Bit offsets: the table at 1024 (HEADER_BYTES * 8); items at 256,
--- deletes at 320, missed_deletes at 384 (ITEMS_AT, DELETES_AT, MISSED_AT times 8).
+-- nothing changed. Bit offsets: the table's at HEADER_BYTES * 8, the counters' at their
+-- byte offsets times 8.
 local function flush()
   local fmt = string.format
   for n = 0, L.nsub - 1 do
@@ -98,7 +98,7 @@ local function flush()
           if v ~= v0 then
             local a = ops * 4
             args[a + 3], args[a + 4], args[a + 5], args[a + 6] =
-              'SET', ftype, fmt('%d', 1024 + k * f), fmt('%d', v)
+              'SET', ftype, fmt('%d', HEADER_BYTES * 8 + k * f), fmt('%d', v)
             ops = ops + 1
             if ops >= 1500 then
               redis.call(unpack(args)); args = {'BITFIELD', KEYS[n + 1]}; ops = 0
@@ -109,7 +109,7 @@ local function flush()
         if s.delta ~= 0 then
           local a = #args
           args[a + 1], args[a + 2], args[a + 3], args[a + 4] =
-            'INCRBY', 'i64', '256', fmt('%d', s.delta)
+            'INCRBY', 'i64', ITEMS_AT * 8, fmt('%d', s.delta)
           s.delta = 0
           ops = ops + 1
         end
@@ -117,14 +117,14 @@ local function flush()
       if L.removed > 0 and n == 0 then
         local a = #args
         args[a + 1], args[a + 2], args[a + 3], args[a + 4] =
-          'INCRBY', 'i64', '320', fmt('%d', L.removed)
+          'INCRBY', 'i64', DELETES_AT * 8, fmt('%d', L.removed)
         L.removed = 0
         ops = ops + 1
       end
       if L.missed > 0 and n == 0 then
         local a = #args
         args[a + 1], args[a + 2], args[a + 3], args[a + 4] =
-          'INCRBY', 'i64', '384', fmt('%d', L.missed)
+          'INCRBY', 'i64', MISSED_DELETES_AT * 8, fmt('%d', L.missed)
         L.missed = 0
         ops = ops + 1
       end
