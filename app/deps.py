@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hmac
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 import redis.asyncio as aioredis
 from fastapi import Depends, HTTPException, Path, Request
+from starlette.requests import HTTPConnection
 
 from app.db import Database
 from app.errors import BadInput, Conflict
@@ -168,7 +169,7 @@ def api_key_ok(headers: Mapping[str, str], settings: Settings) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected)
 
 
-def check_api_key(request: Request, settings: Settings) -> None:
+def check_api_key(request: HTTPConnection, settings: Settings) -> None:
     """401 unless the request carries `Authorization: Bearer <GUARD_API_KEY>`."""
     if not api_key_ok(request.headers, settings):
         raise HTTPException(
@@ -178,13 +179,36 @@ def check_api_key(request: Request, settings: Settings) -> None:
         )
 
 
-async def require_api_key(request: Request, settings: SettingsDep) -> None:
+# ---- request checks -----------------------------------------------------------------------
+
+
+class RequestCheck:
+    """A check of what a request says before its body (request line, path parameters,
+    headers): it raises the answer (401, 422, ...) or returns.
+
+    Declared as a route dependency (``dependencies=[Auth]``). A route of the CheckedRoute
+    class (app/routing.py) runs its checks itself, in the order declared, before FastAPI
+    reads the body: FastAPI reads a body before it solves any dependency, so a request
+    without the key whose declared body never comes would wait for it, unanswered. On any
+    other route a check runs as an ordinary dependency.
+    """
+
+    def __init__(self, check: Callable[[HTTPConnection, Settings], None]) -> None:
+        self.check = check
+
+    async def __call__(self, request: Request) -> None:
+        self.check(request, app_settings(request))
+
+
+@RequestCheck
+def require_api_key(request: HTTPConnection, settings: Settings) -> None:
     """Mutating routes: `Authorization: Bearer <GUARD_API_KEY>` when a key is configured."""
     if settings.auth_enabled:
         check_api_key(request, settings)
 
 
-async def require_read_key(request: Request, settings: SettingsDep) -> None:
+@RequestCheck
+def require_read_key(request: HTTPConnection, settings: Settings) -> None:
     """Filter reads (listing, info, lookups, checks): the API key too when GUARD_PROTECT_READS
     is on (by default in production)."""
     if settings.reads_need_key:

@@ -36,12 +36,13 @@ from app.errors import BadInput, Conflict
 from app.idempotency import HEADER, KEY_PATTERN, request_hash
 from app.openapi import LIMIT_KEY, param_field
 from app.records import RebuildInProgress
+from app.routing import CheckedRoute
 from app.settings import Settings
 from guard import FilterInfo, FilterNotFoundError, FilterParams
 from guard.listing import read_filters
 from guard.names import NAME_PATTERN as FILTER_NAME
 
-router = APIRouter(prefix="/filters", tags=["filters"])
+router = APIRouter(prefix="/filters", tags=["filters"], route_class=CheckedRoute)
 
 
 class WholeText(Convertor[str]):
