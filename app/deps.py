@@ -9,6 +9,8 @@ from typing import Annotated, Any
 
 import redis.asyncio as aioredis
 from fastapi import Depends, HTTPException, Path, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import TypeAdapter, ValidationError
 from starlette.requests import HTTPConnection
 
 from app.db import Database
@@ -41,10 +43,12 @@ async def get_metrics(request: Request) -> Metrics:
     return metrics
 
 
-def _lifespan_state(request: Request, name: str) -> Any:
+def _lifespan_state(request: HTTPConnection, name: str) -> Any:
+    # The scope's copy of the lifespan state, which request.state wraps (in two objects made
+    # per request: this is on the item lookup's path).
     try:
-        return getattr(request.state, name)
-    except AttributeError:  # the app was called without running its lifespan
+        return request.scope["state"][name]
+    except KeyError:  # the app was called without running its lifespan
         raise RuntimeError(f"{name} is not set up: run the app with its lifespan") from None
 
 
@@ -125,7 +129,7 @@ async def get_filter_handles(request: Request) -> FilterHandles:
 FiltersDep = Annotated[FilterHandles, Depends(get_filter_handles)]
 
 
-def filter_handle(request: Request, name: str) -> CuckooFilter:
+def filter_handle(request: HTTPConnection, name: str) -> CuckooFilter:
     handles: FilterHandles = _lifespan_state(request, "filters")
     return handles.get(name)
 
@@ -215,8 +219,29 @@ def require_read_key(request: HTTPConnection, settings: Settings) -> None:
         check_api_key(request, settings)
 
 
+_FILTER_NAME = TypeAdapter(FilterName)
+
+
+@RequestCheck
+def valid_filter_name(request: HTTPConnection, settings: Settings) -> None:
+    """The path's filter name, checked as FastAPI checks FilterName: the same 422."""
+    try:
+        _FILTER_NAME.validate_python(request.path_params["name"])
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        raise RequestValidationError([{**e, "loc": ("path", "name")} for e in errors]) from None
+
+
+@RequestCheck
+def valid_path_item(request: HTTPConnection, settings: Settings) -> None:
+    """The item of /filters/{name}/items/{item}: 1-GUARD_MAX_ITEM_BYTES bytes of UTF-8."""
+    check_item(request.path_params["item"], settings, ("path", "item"))
+
+
 Auth = Depends(require_api_key)
 ReadAuth = Depends(require_read_key)
+ValidName = Depends(valid_filter_name)
+ValidPathItem = Depends(valid_path_item)
 
 
 def check_item(item: str, settings: Settings, loc: tuple[str | int, ...]) -> None:
