@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
@@ -86,7 +87,7 @@ RecordsDep = Annotated[RecordStore, Depends(get_records)]
 IdempotencyDep = Annotated[Idempotency, Depends(get_idempotency)]
 WatchdogDep = Annotated[Watchdog | None, Depends(get_watchdog)]
 FilterName = Annotated[str, Path(pattern=NAME_PATTERN, description="Filter name")]
-# An item (or record key) in the path; check_item enforces what the schema states.
+# A record key in the path; check_item enforces what the schema states.
 ItemPath = Annotated[str, Path(json_schema_extra={LIMIT_KEY: "item"})]
 
 
@@ -232,16 +233,69 @@ def valid_filter_name(request: HTTPConnection, settings: Settings) -> None:
         raise RequestValidationError([{**e, "loc": ("path", "name")} for e in errors]) from None
 
 
+# What a client that normalises URL paths (curl, browsers, httpx: RFC 3986 "remove dot
+# segments") does to an item sent in a path: '.' and '..' segments go, '..' with the segment
+# before it, so the request reaches another path. Such items travel in a body instead.
+BATCH_ROUTES = "send it in the body of POST /filters/{name}/add, /check or /delete instead"
+DOT_SEGMENT = re.compile(r"(?:^|/)\.\.?(?:/|$)")
+
+
 @RequestCheck
 def valid_path_item(request: HTTPConnection, settings: Settings) -> None:
-    """The item of /filters/{name}/items/{item}: 1-GUARD_MAX_ITEM_BYTES bytes of UTF-8."""
-    check_item(request.path_params["item"], settings, ("path", "item"))
+    """The item of /filters/{name}/items/{item}: 1-GUARD_MAX_ITEM_BYTES bytes of UTF-8, and
+    no '.' or '..' segment (between slashes), which URL-normalising clients remove."""
+    item: str = request.path_params["item"]
+    if not item:
+        raise BadInput(
+            ("path", "item"),
+            f"must be 1-{settings.max_item_bytes} bytes of UTF-8 (got 0); an item '.' is"
+            f" removed from the path by clients that normalise URLs: {_batch(request)}",
+        )
+    check_item(item, settings, ("path", "item"))
+    if "." in item and DOT_SEGMENT.search(item):
+        raise BadInput(
+            ("path", "item"),
+            "must not be '.' or '..' or have such a segment between slashes: clients that"
+            " normalise URLs (curl, browsers, httpx) rewrite it to another path;"
+            f" {_batch(request)}",
+        )
 
+
+def _batch(request: HTTPConnection) -> str:
+    return BATCH_ROUTES.format(name=request.path_params["name"])
+
+
+@RequestCheck
+def drop_confirmed(request: HTTPConnection, settings: Settings) -> None:
+    """DELETE /filters/{name} drops a whole filter only with `?confirm=<name>`: no request
+    for one item can become that, whatever a client does to the item's path."""
+    name = request.path_params["name"]
+    if request.query_params.get("confirm") != name:
+        raise BadInput(
+            ("query", "confirm"),
+            f"must be the filter's name, to drop it and everything in it:"
+            f" DELETE /filters/{name}?confirm={name}. (If one item was meant: an item '..'"
+            f" is removed from the path by clients that normalise URLs, leaving this request;"
+            f" delete it with POST /filters/{name}/delete.)",
+        )
+
+
+# The item of /filters/{name}/items/{item}; valid_path_item enforces what the schema states.
+FilterItem = Annotated[
+    str,
+    Path(
+        description="One item, '/' sent as %2F. Not '.' or '..' nor with such a segment between"
+        " slashes: clients that normalise URLs remove those, so such items go in the body of"
+        " POST /filters/{name}/add, /check or /delete",
+        json_schema_extra={LIMIT_KEY: "item", "not": {"pattern": DOT_SEGMENT.pattern}},
+    ),
+]
 
 Auth = Depends(require_api_key)
 ReadAuth = Depends(require_read_key)
 ValidName = Depends(valid_filter_name)
 ValidPathItem = Depends(valid_path_item)
+DropConfirmed = Depends(drop_confirmed)
 
 
 def check_item(item: str, settings: Settings, loc: tuple[str | int, ...]) -> None:

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.convertors import Convertor, register_url_convertor
 
 from app import errors, openapi
 from app.deps import (
+    BATCH_ROUTES,
     AdminFilterDep,
     Auth,
+    DropConfirmed,
     FilterDep,
+    FilterItem,
     FilterName,
     FiltersDep,
     IdempotencyDep,
-    ItemPath,
     ReadAuth,
     RecordsDep,
     RedisDep,
@@ -55,6 +57,14 @@ class WholeText(Convertor[str]):
 
 register_url_convertor("text", WholeText())
 ITEM_PATH = "/{name}/items/{item:text}"
+
+DropConfirmation = Annotated[
+    str,
+    Query(
+        description="The filter's name again (drop_confirmed checks it): a request for one"
+        " item can never become a drop"
+    ),
+]
 
 IdemKey = Annotated[
     str | None,
@@ -188,11 +198,13 @@ async def get(cf: FilterDep) -> Any:
 @router.delete(
     "/{name}",
     status_code=204,
-    dependencies=[Auth],
+    dependencies=[Auth, ValidName, DropConfirmed],
     responses={**openapi.CHANGE},
 )
-async def drop(cf: AdminFilterDep) -> Response:
-    """Delete a filter and everything in it."""
+async def drop(cf: AdminFilterDep, confirm: DropConfirmation) -> Response:
+    """Delete a filter and everything in it: `?confirm=` repeats its name, so no request
+    meant for one item can become this one (a client that normalises URLs turns
+    `DELETE /filters/f/items/..` into `DELETE /filters/f`)."""
     async with errors.in_doubt_on_timeout(
         f"dropping filter {cf.name!r}", f"GET /filters/{cf.name} tells (a retry answers 404 if so)"
     ):
@@ -296,7 +308,7 @@ async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
     responses={**openapi.CHANGE, **openapi.FULL},
 )
 async def put_item(
-    item: ItemPath,
+    item: FilterItem,
     request: Request,
     cf: WritableFilterDep,
     idem: IdempotencyDep,
@@ -317,7 +329,7 @@ async def put_item(
     return await idem.run(cf.name, idempotency_key, request_hash("PUT", request.url.path, None), op)
 
 
-async def get_item(item: ItemPath, name: FilterName, request: Request) -> Any:
+async def get_item(item: FilterItem, name: FilterName, request: Request) -> Any:
     """Whether one item is probably present."""
     return {"exists": await filter_handle(request, name).lookup(item)}
 
@@ -342,7 +354,7 @@ router.add_api_route(
     responses={**openapi.CHANGE},
 )
 async def delete_item(
-    item: ItemPath,
+    item: FilterItem,
     request: Request,
     cf: WritableFilterDep,
     idem: IdempotencyDep,
@@ -355,3 +367,23 @@ async def delete_item(
 
     digest = request_hash("DELETE", request.url.path, None)
     return await idem.run(cf.name, idempotency_key, digest, op)
+
+
+async def no_item() -> JSONResponse:
+    """What a client that normalises URLs leaves of an item route when the item is '..'
+    (`/filters/{name}/`, or `/filters/{name}` with httpx) or '.' (`/filters/{name}/items`
+    with httpx; `/filters/{name}/items/` reaches the item route with an empty item)."""
+    batch = BATCH_ROUTES.format(name="{name}")  # not echoed: nothing checked it
+    detail = f"no such route; if an item '.' or '..' was meant, the client removed it: {batch}"
+    return JSONResponse({"detail": detail}, status_code=404)
+
+
+# Answered here, not by Starlette's trailing-slash redirect (to /filters/{name}, or to the
+# item route with no item): a client that follows it would send an item's request there.
+for _path in ("/{name}/", "/{name}/items"):
+    router.add_api_route(
+        _path,
+        no_item,
+        methods=["GET", "HEAD", "PUT", "POST", "DELETE", "PATCH"],
+        include_in_schema=False,
+    )

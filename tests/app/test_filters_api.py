@@ -79,13 +79,24 @@ class TestFilterLifecycle:
 
     async def test_delete(self, svc: Service) -> None:
         await create(svc)
-        r = await svc.client.delete("/filters/users", headers=AUTH)
+        r = await svc.client.delete("/filters/users?confirm=users", headers=AUTH)
         assert r.status_code == 204 and r.content == b""
         assert (await svc.client.get("/filters/users")).status_code == 404
 
     async def test_delete_missing_is_404(self, svc: Service) -> None:
-        r = await svc.client.delete("/filters/nope", headers=AUTH)
+        r = await svc.client.delete("/filters/nope?confirm=nope", headers=AUTH)
         assert r.status_code == 404
+
+    @pytest.mark.parametrize("query", ["", "?confirm=", "?confirm=other", "?confirm=USERS"])
+    async def test_delete_needs_the_name_confirmed(self, svc: Service, query: str) -> None:
+        """What a client that normalises URLs makes of DELETE /filters/users/items/.. (httpx:
+        DELETE /filters/users) must not drop the filter: `?confirm=<name>` is required."""
+        await create(svc)
+        await svc.client.put("/filters/users/items/a", headers=AUTH)
+        r = await svc.client.delete(f"/filters/users{query}", headers=AUTH)
+        assert r.status_code == 422
+        assert "DELETE /filters/users?confirm=users" in field_error(r, "query", "confirm")
+        assert (await svc.client.get("/filters/users")).json()["items"] == 1
 
 
 class TestItems:
@@ -197,7 +208,7 @@ class TestItems:
 
 MUTATIONS = [
     ("PUT", "/filters/users", {"capacity": 10}),
-    ("DELETE", "/filters/users", None),
+    ("DELETE", "/filters/users?confirm=users", None),
     ("POST", "/filters/users/add", {"items": ["a"]}),
     ("POST", "/filters/users/delete", {"items": ["a"]}),
     ("POST", "/filters/records/rebuild", None),
@@ -247,6 +258,8 @@ class TestItemLookup:
         long = "x" * (svc.settings.max_item_bytes + 1)
         r = await get(f"/filters/users/items/{long}", headers=AUTH)
         assert "bytes of UTF-8" in field_error(r, "path", "item")
+        r = await get("/filters/users/items/%2E%2E", headers=AUTH)
+        assert "POST /filters/users/add, /check or /delete" in field_error(r, "path", "item")
 
     def test_endpoint_takes_only_path_parameters_and_request(self) -> None:
         async def lookup(name: str, request: object, extra: int) -> None: ...
@@ -454,7 +467,8 @@ class TestRecordsFilterIsManaged:
 
     @pytest.mark.parametrize(
         ("method", "path", "body"),
-        [("PUT", "/filters/records", {"capacity": 10}), ("DELETE", "/filters/records", None),
+        [("PUT", "/filters/records", {"capacity": 10}),
+         ("DELETE", "/filters/records?confirm=records", None),
          ("POST", "/filters/records/add", {"items": ["a"]}),
          ("POST", "/filters/records/delete", {"items": ["user-1"]}),
          ("PUT", "/filters/records/items/a", None),
