@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hmac
+import re
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 import redis.asyncio as aioredis
 from fastapi import Depends, HTTPException, Path, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import TypeAdapter, ValidationError
+from starlette.requests import HTTPConnection
 
 from app.db import Database
 from app.errors import BadInput, Conflict
@@ -40,10 +44,12 @@ async def get_metrics(request: Request) -> Metrics:
     return metrics
 
 
-def _lifespan_state(request: Request, name: str) -> Any:
+def _lifespan_state(request: HTTPConnection, name: str) -> Any:
+    # The scope's copy of the lifespan state, which request.state wraps (in two objects made
+    # per request: this is on the item lookup's path).
     try:
-        return getattr(request.state, name)
-    except AttributeError:  # the app was called without running its lifespan
+        return request.scope["state"][name]
+    except KeyError:  # the app was called without running its lifespan
         raise RuntimeError(f"{name} is not set up: run the app with its lifespan") from None
 
 
@@ -81,7 +87,7 @@ RecordsDep = Annotated[RecordStore, Depends(get_records)]
 IdempotencyDep = Annotated[Idempotency, Depends(get_idempotency)]
 WatchdogDep = Annotated[Watchdog | None, Depends(get_watchdog)]
 FilterName = Annotated[str, Path(pattern=NAME_PATTERN, description="Filter name")]
-# An item (or record key) in the path; check_item enforces what the schema states.
+# A record key in the path; check_item enforces what the schema states.
 ItemPath = Annotated[str, Path(json_schema_extra={LIMIT_KEY: "item"})]
 
 
@@ -124,7 +130,7 @@ async def get_filter_handles(request: Request) -> FilterHandles:
 FiltersDep = Annotated[FilterHandles, Depends(get_filter_handles)]
 
 
-def filter_handle(request: Request, name: str) -> CuckooFilter:
+def filter_handle(request: HTTPConnection, name: str) -> CuckooFilter:
     handles: FilterHandles = _lifespan_state(request, "filters")
     return handles.get(name)
 
@@ -168,7 +174,7 @@ def api_key_ok(headers: Mapping[str, str], settings: Settings) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected)
 
 
-def check_api_key(request: Request, settings: Settings) -> None:
+def check_api_key(request: HTTPConnection, settings: Settings) -> None:
     """401 unless the request carries `Authorization: Bearer <GUARD_API_KEY>`."""
     if not api_key_ok(request.headers, settings):
         raise HTTPException(
@@ -178,21 +184,118 @@ def check_api_key(request: Request, settings: Settings) -> None:
         )
 
 
-async def require_api_key(request: Request, settings: SettingsDep) -> None:
+# ---- request checks -----------------------------------------------------------------------
+
+
+class RequestCheck:
+    """A check of what a request says before its body (request line, path parameters,
+    headers): it raises the answer (401, 422, ...) or returns.
+
+    Declared as a route dependency (``dependencies=[Auth]``). A route of the CheckedRoute
+    class (app/routing.py) runs its checks itself, in the order declared, before FastAPI
+    reads the body: FastAPI reads a body before it solves any dependency, so a request
+    without the key whose declared body never comes would wait for it, unanswered. On any
+    other route a check runs as an ordinary dependency.
+    """
+
+    def __init__(self, check: Callable[[HTTPConnection, Settings], None]) -> None:
+        self.check = check
+
+    async def __call__(self, request: Request) -> None:
+        self.check(request, app_settings(request))
+
+
+@RequestCheck
+def require_api_key(request: HTTPConnection, settings: Settings) -> None:
     """Mutating routes: `Authorization: Bearer <GUARD_API_KEY>` when a key is configured."""
     if settings.auth_enabled:
         check_api_key(request, settings)
 
 
-async def require_read_key(request: Request, settings: SettingsDep) -> None:
+@RequestCheck
+def require_read_key(request: HTTPConnection, settings: Settings) -> None:
     """Filter reads (listing, info, lookups, checks): the API key too when GUARD_PROTECT_READS
     is on (by default in production)."""
     if settings.reads_need_key:
         check_api_key(request, settings)
 
 
+_FILTER_NAME = TypeAdapter(FilterName)
+
+
+@RequestCheck
+def valid_filter_name(request: HTTPConnection, settings: Settings) -> None:
+    """The path's filter name, checked as FastAPI checks FilterName: the same 422."""
+    try:
+        _FILTER_NAME.validate_python(request.path_params["name"])
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        raise RequestValidationError([{**e, "loc": ("path", "name")} for e in errors]) from None
+
+
+# What a client that normalises URL paths (curl, browsers, httpx: RFC 3986 "remove dot
+# segments") does to an item sent in a path: '.' and '..' segments go, '..' with the segment
+# before it, so the request reaches another path. Such items travel in a body instead.
+BATCH_ROUTES = "send it in the body of POST /filters/{name}/add, /check or /delete instead"
+DOT_SEGMENT = re.compile(r"(?:^|/)\.\.?(?:/|$)")
+
+
+@RequestCheck
+def valid_path_item(request: HTTPConnection, settings: Settings) -> None:
+    """The item of /filters/{name}/items/{item}: 1-GUARD_MAX_ITEM_BYTES bytes of UTF-8, and
+    no '.' or '..' segment (between slashes), which URL-normalising clients remove."""
+    item: str = request.path_params["item"]
+    if not item:
+        raise BadInput(
+            ("path", "item"),
+            f"must be 1-{settings.max_item_bytes} bytes of UTF-8 (got 0); an item '.' is"
+            f" removed from the path by clients that normalise URLs: {_batch(request)}",
+        )
+    check_item(item, settings, ("path", "item"))
+    if "." in item and DOT_SEGMENT.search(item):
+        raise BadInput(
+            ("path", "item"),
+            "must not be '.' or '..' or have such a segment between slashes: clients that"
+            " normalise URLs (curl, browsers, httpx) rewrite it to another path;"
+            f" {_batch(request)}",
+        )
+
+
+def _batch(request: HTTPConnection) -> str:
+    return BATCH_ROUTES.format(name=request.path_params["name"])
+
+
+@RequestCheck
+def drop_confirmed(request: HTTPConnection, settings: Settings) -> None:
+    """DELETE /filters/{name} drops a whole filter only with `?confirm=<name>`: no request
+    for one item can become that, whatever a client does to the item's path."""
+    name = request.path_params["name"]
+    if request.query_params.get("confirm") != name:
+        raise BadInput(
+            ("query", "confirm"),
+            f"must be the filter's name, to drop it and everything in it:"
+            f" DELETE /filters/{name}?confirm={name}. (If one item was meant: an item '..'"
+            f" is removed from the path by clients that normalise URLs, leaving this request;"
+            f" delete it with POST /filters/{name}/delete.)",
+        )
+
+
+# The item of /filters/{name}/items/{item}; valid_path_item enforces what the schema states.
+FilterItem = Annotated[
+    str,
+    Path(
+        description="One item, '/' sent as %2F. Not '.' or '..' nor with such a segment between"
+        " slashes: clients that normalise URLs remove those, so such items go in the body of"
+        " POST /filters/{name}/add, /check or /delete",
+        json_schema_extra={LIMIT_KEY: "item", "not": {"pattern": DOT_SEGMENT.pattern}},
+    ),
+]
+
 Auth = Depends(require_api_key)
 ReadAuth = Depends(require_read_key)
+ValidName = Depends(valid_filter_name)
+ValidPathItem = Depends(valid_path_item)
+DropConfirmed = Depends(drop_confirmed)
 
 
 def check_item(item: str, settings: Settings, loc: tuple[str | int, ...]) -> None:

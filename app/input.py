@@ -1,12 +1,14 @@
-"""Input refused before any route runs: bodies over the size limit (413), paths and queries
-that are not UTF-8 (422). Pure ASGI: middleware answers for itself (its exceptions never reach
-the app's handlers), and runs before routing."""
+"""Input refused before any route parses it: bodies over the size limit (413), paths and
+queries that are not UTF-8 (422). Pure ASGI: middleware answers for itself (its exceptions
+never reach the app's handlers, but one raised from inside the app does), and runs before
+routing."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from urllib.parse import unquote_to_bytes
 
+from starlette.exceptions import HTTPException
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -14,15 +16,20 @@ from app.errors import invalid, json_response
 
 
 class BodyLimitMiddleware:
-    """413 for a request body over `max_bytes`, checked before the app parses anything.
+    """413 for a request body over `max_bytes`, before the app parses any of it.
 
-    The body is read here (it is read whole by the app anyway) so an over-long chunked body
-    gets a clean 413 too, instead of an error half-way through parsing.
+    A declared Content-Length over the limit is answered at once. Otherwise the body is
+    counted as the app reads it, and the read that passes the limit raises the 413 (an
+    HTTPException, which FastAPI hands to the app's handler before parsing anything): an
+    over-long chunked body gets a clean 413 too. Never read here in advance: a route answers
+    what needs no body (401 for a missing key, app/routing.py) at once, whether the body
+    comes or not.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.detail = f"request body is over the limit of {max_bytes} bytes"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -30,45 +37,21 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(send)
+            response = json_response(413, {"detail": self.detail})
+            await response(scope, receive, send)
             return
-        chunks: list[bytes] = []
         size = 0
-        while True:
+
+        async def counted() -> Message:
+            nonlocal size
             message = await receive()
-            if message["type"] != "http.request":
-                break  # client went away; let the app see the disconnect
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await self._too_large(send)
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-                break
-        replayed = False
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > self.max_bytes:
+                    raise HTTPException(413, detail=self.detail)
+            return message
 
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return message
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _too_large(self, send: Send) -> None:
-        response = json_response(
-            413, {"detail": f"request body is over the limit of {self.max_bytes} bytes"}
-        )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": response.raw_headers,
-            }
-        )
-        await send({"type": "http.response.body", "body": bytes(response.body)})
+        await self.app(scope, counted, send)
 
 
 def _utf8(raw: bytes) -> bool:

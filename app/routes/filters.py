@@ -4,31 +4,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.convertors import Convertor, register_url_convertor
-from starlette.datastructures import Headers
-from starlette.types import Receive, Scope, Send
 
 from app import errors, openapi
 from app.deps import (
+    BATCH_ROUTES,
     AdminFilterDep,
     Auth,
+    DropConfirmed,
     FilterDep,
+    FilterItem,
     FilterName,
     FiltersDep,
     IdempotencyDep,
-    ItemPath,
     ReadAuth,
     RecordsDep,
     RedisDep,
     SettingsDep,
+    ValidName,
+    ValidPathItem,
     WritableFilterDep,
-    api_key_ok,
-    app_settings,
-    check_item,
     check_items,
     filter_handle,
 )
@@ -36,12 +34,11 @@ from app.errors import BadInput, Conflict
 from app.idempotency import HEADER, KEY_PATTERN, request_hash
 from app.openapi import LIMIT_KEY, param_field
 from app.records import RebuildInProgress
-from app.settings import Settings
+from app.routing import CheckedRoute, DirectRoute
 from guard import FilterInfo, FilterNotFoundError, FilterParams
 from guard.listing import read_filters
-from guard.names import NAME_PATTERN as FILTER_NAME
 
-router = APIRouter(prefix="/filters", tags=["filters"])
+router = APIRouter(prefix="/filters", tags=["filters"], route_class=CheckedRoute)
 
 
 class WholeText(Convertor[str]):
@@ -60,6 +57,14 @@ class WholeText(Convertor[str]):
 
 register_url_convertor("text", WholeText())
 ITEM_PATH = "/{name}/items/{item:text}"
+
+DropConfirmation = Annotated[
+    str,
+    Query(
+        description="The filter's name again (drop_confirmed checks it): a request for one"
+        " item can never become a drop"
+    ),
+]
 
 IdemKey = Annotated[
     str | None,
@@ -193,11 +198,13 @@ async def get(cf: FilterDep) -> Any:
 @router.delete(
     "/{name}",
     status_code=204,
-    dependencies=[Auth],
+    dependencies=[Auth, ValidName, DropConfirmed],
     responses={**openapi.CHANGE},
 )
-async def drop(cf: AdminFilterDep) -> Response:
-    """Delete a filter and everything in it."""
+async def drop(cf: AdminFilterDep, confirm: DropConfirmation) -> Response:
+    """Delete a filter and everything in it: `?confirm=` repeats its name, so no request
+    meant for one item can become this one (a client that normalises URLs turns
+    `DELETE /filters/f/items/..` into `DELETE /filters/f`)."""
     async with errors.in_doubt_on_timeout(
         f"dropping filter {cf.name!r}", f"GET /filters/{cf.name} tells (a retry answers 404 if so)"
     ):
@@ -297,14 +304,13 @@ async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
     ITEM_PATH,
     status_code=201,
     response_model=Added,
-    dependencies=[Auth],
+    dependencies=[Auth, ValidName, ValidPathItem],
     responses={**openapi.CHANGE, **openapi.FULL},
 )
 async def put_item(
-    item: ItemPath,
+    item: FilterItem,
     request: Request,
     cf: WritableFilterDep,
-    settings: SettingsDep,
     idem: IdempotencyDep,
     idempotency_key: IdemKey = None,
 ) -> JSONResponse:
@@ -315,7 +321,6 @@ async def put_item(
     one. Each PUT is therefore balanced by one DELETE. Retries are safe with an
     `Idempotency-Key` (they run once); a retry without one leaves an extra copy, which costs
     a slot and one more DELETE to remove, never an item."""
-    check_item(item, settings, ("path", "item"))
 
     async def op() -> JSONResponse:
         await cf.insert(item)
@@ -324,85 +329,61 @@ async def put_item(
     return await idem.run(cf.name, idempotency_key, request_hash("PUT", request.url.path, None), op)
 
 
-async def get_item(item: ItemPath, name: FilterName, request: Request) -> Any:
+async def get_item(item: FilterItem, name: FilterName, request: Request) -> Any:
     """Whether one item is probably present."""
-    # The busiest route solves no dependencies: FastAPI spends about 10 µs on each, and the
-    # three it had (filter, handles, settings) took longer than the lookup itself.
-    check_item(item, app_settings(request), ("path", "item"))
     return {"exists": await filter_handle(request, name).lookup(item)}
 
 
-class ItemLookupRoute(APIRoute):
-    """GET /filters/{name}/items/{item}, the busiest route: an ordinary request (a valid
-    name and item, the API key when reads need one, a running app) is answered here, as
-    get_item would answer it, without FastAPI's per-request work (solving the ReadAuth
-    dependency, validating the path, serializing through the response model): together
-    they cost more than the lookup. Any other request goes through FastAPI exactly as
-    declared, which answers it (401, 422, ...) as it always has; errors of the lookup
-    itself reach the app's exception handlers either way.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.declared = self.app  # FastAPI's own handling of the route
-        self.app = self._serve
-
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        answer = await self._ordinary(scope)
-        if answer is None:
-            await self.declared(scope, receive, send)
-        else:
-            await answer(scope, receive, send)
-
-    @staticmethod
-    async def _ordinary(scope: Scope) -> JSONResponse | None:
-        params = scope["path_params"]
-        name, item = params["name"], params["item"]
-        settings: Settings = scope["app"].state.settings
-        if settings.reads_need_key and not api_key_ok(Headers(scope=scope), settings):
-            return None
-        if FILTER_NAME.fullmatch(name) is None:
-            return None
-        try:
-            check_item(item, settings, ("path", "item"))
-        except BadInput:
-            return None
-        handles = scope.get("state", {}).get("filters")
-        if handles is None:
-            return None
-        return JSONResponse({"exists": await handles.get(name).lookup(item)})
-
-
+# The busiest route: answered by DirectRoute once these checks pass (the one list of what a
+# lookup request must be), without FastAPI's per-request work.
 router.add_api_route(
     ITEM_PATH,
     get_item,
     methods=["GET"],
     response_model=Exists,
-    dependencies=[ReadAuth],
+    dependencies=[ReadAuth, ValidName, ValidPathItem],
     responses={**openapi.UNAUTHORIZED, **openapi.NOT_FOUND, **openapi.COMMON},
-    route_class_override=ItemLookupRoute,
+    route_class_override=DirectRoute,
 )
 
 
 @router.delete(
     ITEM_PATH,
     response_model=Deleted,
-    dependencies=[Auth],
+    dependencies=[Auth, ValidName, ValidPathItem],
     responses={**openapi.CHANGE},
 )
 async def delete_item(
-    item: ItemPath,
+    item: FilterItem,
     request: Request,
     cf: WritableFilterDep,
-    settings: SettingsDep,
     idem: IdempotencyDep,
     idempotency_key: IdemKey = None,
 ) -> JSONResponse:
     """Delete one copy of the item (one PUT's worth)."""
-    check_item(item, settings, ("path", "item"))
 
     async def op() -> JSONResponse:
         return JSONResponse({"deleted": await cf.delete(item)})
 
     digest = request_hash("DELETE", request.url.path, None)
     return await idem.run(cf.name, idempotency_key, digest, op)
+
+
+async def no_item() -> JSONResponse:
+    """What a client that normalises URLs leaves of an item route when the item is '..'
+    (`/filters/{name}/`, or `/filters/{name}` with httpx) or '.' (`/filters/{name}/items`
+    with httpx; `/filters/{name}/items/` reaches the item route with an empty item)."""
+    batch = BATCH_ROUTES.format(name="{name}")  # not echoed: nothing checked it
+    detail = f"no such route; if an item '.' or '..' was meant, the client removed it: {batch}"
+    return JSONResponse({"detail": detail}, status_code=404)
+
+
+# Answered here, not by Starlette's trailing-slash redirect (to /filters/{name}, or to the
+# item route with no item): a client that follows it would send an item's request there.
+for _path in ("/{name}/", "/{name}/items"):
+    router.add_api_route(
+        _path,
+        no_item,
+        methods=["GET", "HEAD", "PUT", "POST", "DELETE", "PATCH"],
+        include_in_schema=False,
+    )

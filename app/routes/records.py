@@ -11,8 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from app import openapi
 from app.deps import Auth, ItemPath, RecordsDep, SettingsDep, check_item
 from app.errors import finite_json
+from app.routing import CheckedRoute
 
-router = APIRouter(prefix="/records", tags=["records"])
+router = APIRouter(prefix="/records", tags=["records"], route_class=CheckedRoute)
 
 NOT_FOUND: openapi.Responses = {404: {"model": openapi.ErrorBody, "description": "No such record"}}
 

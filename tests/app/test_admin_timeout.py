@@ -29,7 +29,7 @@ async def test_create_and_drop_use_the_admin_timeout(
     created = await svc.client.put("/filters/big", json=BIG, headers=AUTH)
     assert created.status_code == 201, created.text
     assert created.json()["capacity"] >= BIG["capacity"]
-    dropped = await svc.client.delete("/filters/big", headers=AUTH)
+    dropped = await svc.client.delete("/filters/big?confirm=big", headers=AUTH)
     assert dropped.status_code == 204, dropped.text
 
 

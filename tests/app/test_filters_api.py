@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from app.deps import require_read_key, valid_filter_name, valid_path_item
 from app.routes import filters
-from app.routes.filters import ItemLookupRoute
+from app.routing import DirectRoute
 from app.settings import Settings
 from guard import CuckooFilter
 from tests import colliding_items
@@ -78,13 +79,24 @@ class TestFilterLifecycle:
 
     async def test_delete(self, svc: Service) -> None:
         await create(svc)
-        r = await svc.client.delete("/filters/users", headers=AUTH)
+        r = await svc.client.delete("/filters/users?confirm=users", headers=AUTH)
         assert r.status_code == 204 and r.content == b""
         assert (await svc.client.get("/filters/users")).status_code == 404
 
     async def test_delete_missing_is_404(self, svc: Service) -> None:
-        r = await svc.client.delete("/filters/nope", headers=AUTH)
+        r = await svc.client.delete("/filters/nope?confirm=nope", headers=AUTH)
         assert r.status_code == 404
+
+    @pytest.mark.parametrize("query", ["", "?confirm=", "?confirm=other", "?confirm=USERS"])
+    async def test_delete_needs_the_name_confirmed(self, svc: Service, query: str) -> None:
+        """What a client that normalises URLs makes of DELETE /filters/users/items/.. (httpx:
+        DELETE /filters/users) must not drop the filter: `?confirm=<name>` is required."""
+        await create(svc)
+        await svc.client.put("/filters/users/items/a", headers=AUTH)
+        r = await svc.client.delete(f"/filters/users{query}", headers=AUTH)
+        assert r.status_code == 422
+        assert "DELETE /filters/users?confirm=users" in field_error(r, "query", "confirm")
+        assert (await svc.client.get("/filters/users")).json()["items"] == 1
 
 
 class TestItems:
@@ -196,7 +208,7 @@ class TestItems:
 
 MUTATIONS = [
     ("PUT", "/filters/users", {"capacity": 10}),
-    ("DELETE", "/filters/users", None),
+    ("DELETE", "/filters/users?confirm=users", None),
     ("POST", "/filters/users/add", {"items": ["a"]}),
     ("POST", "/filters/users/delete", {"items": ["a"]}),
     ("POST", "/filters/records/rebuild", None),
@@ -207,16 +219,18 @@ MUTATIONS = [
 ]
 
 
-class TestItemLookupLane:
-    """GET /filters/{name}/items/{item}: ordinary requests skip FastAPI's handling, the
-    others go through it; the answers are the route's either way."""
+class TestItemLookup:
+    """GET /filters/{name}/items/{item}: one list of checks (the route's RequestChecks), then
+    get_item, called by DirectRoute; FastAPI's own handling of the route never runs."""
 
-    async def test_only_ordinary_lookups_skip_fastapi(self, start: StartService) -> None:
+    async def test_checks_then_get_item(self, start: StartService) -> None:
         svc = await start(protect_reads=True)
         await create(svc)
         await svc.client.put("/filters/users/items/alice", headers=AUTH)
         # Every app serves the route object of the module's router: put back after the test.
-        route = next(r for r in filters.router.routes if isinstance(r, ItemLookupRoute))
+        route = next(r for r in filters.router.routes if isinstance(r, DirectRoute))
+        assert route.endpoint is filters.get_item
+        assert route.checks == (require_read_key, valid_filter_name, valid_path_item)
         declared, through = route.declared, []
 
         async def counted(scope: Any, receive: Any, send: Any) -> None:
@@ -225,25 +239,33 @@ class TestItemLookupLane:
 
         route.declared = counted
         try:
-            await self.lookups(svc, through)
+            await self.lookups(svc)
         finally:
             route.declared = declared
+        assert through == []
 
-    async def lookups(self, svc: Service, through: list[str]) -> None:
+    async def lookups(self, svc: Service) -> None:
         get = svc.client.get
         assert (await get("/filters/users/items/alice", headers=AUTH)).json() == {"exists": True}
         assert (await get("/filters/users/items/bob", headers=AUTH)).json() == {"exists": False}
         assert (await get("/filters/nope/items/a", headers=AUTH)).status_code == 404
-        assert through == []  # answered by the lane, a missing filter by the app's handler
-        assert (await get("/filters/users/items/alice")).status_code == 401
-        assert field_error(await get("/filters/-x/items/a", headers=AUTH), "path", "name")
+        r = await get("/filters/users/items/alice")
+        assert r.status_code == 401 and r.json() == {"detail": "missing or invalid API key"}
+        # The name's 422 is FastAPI's own, as on every other route with a {name}.
+        bad_name = await get("/filters/-x/items/a", headers=AUTH)
+        assert bad_name.status_code == 422
+        assert bad_name.json() == (await get("/filters/-x", headers=AUTH)).json()
         long = "x" * (svc.settings.max_item_bytes + 1)
-        assert field_error(await get(f"/filters/users/items/{long}", headers=AUTH), "path", "item")
-        assert through == [
-            "/filters/users/items/alice",
-            "/filters/-x/items/a",
-            f"/filters/users/items/{long}",
-        ]
+        r = await get(f"/filters/users/items/{long}", headers=AUTH)
+        assert "bytes of UTF-8" in field_error(r, "path", "item")
+        r = await get("/filters/users/items/%2E%2E", headers=AUTH)
+        assert "POST /filters/users/add, /check or /delete" in field_error(r, "path", "item")
+
+    def test_endpoint_takes_only_path_parameters_and_request(self) -> None:
+        async def lookup(name: str, request: object, extra: int) -> None: ...
+
+        with pytest.raises(TypeError, match="path parameters and request"):
+            DirectRoute("/filters/{name}", lookup)
 
 
 class TestAuth:
@@ -445,7 +467,8 @@ class TestRecordsFilterIsManaged:
 
     @pytest.mark.parametrize(
         ("method", "path", "body"),
-        [("PUT", "/filters/records", {"capacity": 10}), ("DELETE", "/filters/records", None),
+        [("PUT", "/filters/records", {"capacity": 10}),
+         ("DELETE", "/filters/records?confirm=records", None),
          ("POST", "/filters/records/add", {"items": ["a"]}),
          ("POST", "/filters/records/delete", {"items": ["user-1"]}),
          ("PUT", "/filters/records/items/a", None),

@@ -35,7 +35,7 @@ FILTER_ROUTES = [
     ("GET", "/filters", None),
     ("PUT", "/filters/u", {"capacity": 10}),
     ("GET", "/filters/u", None),
-    ("DELETE", "/filters/u", None),
+    ("DELETE", "/filters/u?confirm=u", None),
     ("POST", "/filters/u/add", {"items": ["a"]}),
     ("POST", "/filters/u/check", {"items": ["a"]}),
     ("POST", "/filters/u/delete", {"items": ["a"]}),

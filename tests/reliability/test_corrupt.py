@@ -93,7 +93,7 @@ class TestDamagedFilter:
         assert 'guard_filter_items{filter="records"} 50.0' in metrics.text
         assert 'guard_filter_items{filter="f"}' not in metrics.text
         # The remedy the message names works: drop it, create it again.
-        assert (await c.delete("/filters/f", headers=AUTH)).status_code == 204
+        assert (await c.delete("/filters/f?confirm=f", headers=AUTH)).status_code == 204
         assert (await c.put("/filters/f", json={"capacity": 10}, headers=AUTH)).status_code == 201
         assert "guard_filter_damaged{" not in (await c.get("/metrics")).text
 

@@ -38,7 +38,7 @@ class TestMissedDeletes:
         assert gauge(metrics, "guard_filter_missed_deletes", "f") == 2
         assert "# HELP guard_filter_missed_deletes" in metrics
         # A dropped filter stops being reported.
-        await c.delete("/filters/f", headers=AUTH)
+        await c.delete("/filters/f?confirm=f", headers=AUTH)
         assert gauge((await c.get("/metrics")).text, "guard_filter_missed_deletes", "f") is None
 
     async def test_records_path_never_misses(self, start_app: StartApp) -> None:

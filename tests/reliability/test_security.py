@@ -1,5 +1,6 @@
-"""Security: auth on every mutating route, the key never logged, production refuses weak keys,
-CORS off by default, error bodies without stack traces, file paths or Redis internals."""
+"""Security: auth on every mutating route (answered before any body), the key never logged,
+production refuses weak keys, CORS off by default, error bodies without stack traces, file
+paths or Redis internals."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from pydantic import SecretStr
 
 from app.main import create_app, weak_api_key
 from app.settings import Settings
+from devkit.keys import delete_prefixed_at
 from devkit.processes import free_port
 from devkit.redis_server import RedisProcess
 from devkit.service import API_KEY, AUTH, start_service
+from tests import raw_http
 from tests.reliability.conftest import StartApp
 
 pytestmark = pytest.mark.realredis
@@ -68,6 +71,41 @@ class TestAuth:
         assert (await svc.client.get("/filters/f")).status_code == 404
         assert (await svc.client.get("/records/k")).status_code == 404
         assert (await svc.client.get("/filters/records")).json()["items"] == 50
+
+
+class TestAnsweredBeforeTheBody:
+    """A request the key does not let through gets its 401 at once, body or not: a real
+    server, and a socket that sends the headers, a declared body, and never the body."""
+
+    def test_every_route_that_needs_the_key(
+        self, real_redis_url: str, prefix: str, tmp_path: Path
+    ) -> None:
+        app = start_service(tmp_path, real_redis_url, key_prefix=prefix, protect_reads="true")
+        try:
+            with httpx.Client(base_url=app.url, timeout=10) as c:
+                spec = c.get("/openapi.json").json()
+                c.put("/filters/f", json={"capacity": 10}, headers=AUTH)
+                routes = [
+                    (method.upper(), template.format(**PARAMS))
+                    for template, ops in spec["paths"].items()
+                    for method in ops
+                    if template.startswith("/filters") or method in ("put", "delete")
+                ]
+                assert len(routes) >= 13, routes  # filters: 11, records: 2
+                for method, path in routes:
+                    for key in ("", "Authorization: Bearer wrong\r\n"):
+                        for body in ("Content-Length: 64", "Transfer-Encoding: chunked"):
+                            head = f"{method} {path} HTTP/1.1\r\nHost: t\r\n{key}"
+                            head += f"Content-Type: application/json\r\n{body}"
+                            answer = raw_http.request(app.port, head)
+                            assert answer.status == 401, (head, answer)
+                            assert answer.json() == {"detail": "missing or invalid API key"}
+                # Nothing was created, changed or deleted by any of them.
+                assert c.get("/filters/f", headers=AUTH).json()["items"] == 0
+                assert c.get("/filters/records", headers=AUTH).json()["items"] == 200
+        finally:
+            app.stop()
+            delete_prefixed_at(real_redis_url, prefix)
 
 
 class TestKeyNeverLogged:
