@@ -20,6 +20,7 @@ from app import errors
 from app.db import Database, DatabaseSetupError, open_database
 from app.deps import FilterHandles
 from app.feed import Follower
+from app.gateway import GatewayRoutes
 from app.idempotency import Idempotency
 from app.input import BodyLimitMiddleware, Utf8Middleware
 from app.metrics import Metrics, RequestMetricsMiddleware
@@ -28,11 +29,12 @@ from app.records import RebuildInProgress, RecordStore
 from app.redis_conn import open_redis
 from app.routes import dashboard, filters, health, records
 from app.routing import add_routes
+from app.rules import rule_filter, rule_stale, rules_or_problem
 from app.settings import Settings, describe, startup_problem, weak_api_key
 from app.watchdog import Watchdog, WatchdogSettings
 from guard.breaker import RedisBreaker
 from guard.errors import RedisUnreachable
-from guard.middleware import GuardMiddleware
+from guard.middleware import Guard, GuardMiddleware
 
 log = logging.getLogger("app")
 
@@ -44,18 +46,6 @@ REBUILD_RETRY_S = 5.0
 # defaults load them from a CDN).
 DOCS_ASSETS = "/docs-assets"
 DOCS_FILES = files("fastapi_offline") / "static"
-
-
-def _records_filter(scope: Any) -> Any:
-    """The records filter handle, from the lifespan state (None before start-up)."""
-    store = scope.get("state", {}).get("records")
-    return None if store is None else store.filter
-
-
-def _records_stale(scope: Any) -> bool:
-    """Whether the watchdog finds the records filter behind the table."""
-    watchdog = scope.get("state", {}).get("watchdog")
-    return watchdog is not None and watchdog.stale
 
 
 async def _start_watchdog(
@@ -179,7 +169,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             problem = describe(exc)
             settings = Settings.model_construct()
     problem = problem or startup_problem(settings)
-    cfg = settings
+    # The route rules; a table-backed one puts the records store on its table.
+    served, rules_problem = rules_or_problem(settings)
+    problem = problem or rules_problem
+    cfg = served.settings
     metrics = Metrics()
     # One window for the one Redis: a failed guard lookup spares the cache read after it.
     breaker = RedisBreaker(cfg.redis_cooldown)
@@ -219,12 +212,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 # (`guard follow` elsewhere): applying a change twice is harmless.
                 repairer = follower or store.follower()
                 watchdog = await _start_watchdog(cfg, store, repairer, db, metrics, stack)
+            handles = FilterHandles(
+                redis, cfg.key_prefix, [store.filter], coalesce=cfg.lookup_coalescing
+            )
             yield {
                 "redis": redis,
                 "admin_redis": clients.admin,
-                "filters": FilterHandles(
-                    redis, cfg.key_prefix, [store.filter], coalesce=cfg.lookup_coalescing
-                ),
+                "filters": handles,
+                "rule_filters": {rule.name: handles.get(rule.filter) for rule in served.rules},
                 "db": db,
                 "records": store,
                 "follower": follower,
@@ -249,23 +244,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app, cfg.retry_after)
     add_routes(app, (health.router, filters.router, records.router, dashboard.router))
     _add_docs(app, cfg)
+    # One decision for the app's own guarded routes and the gateway route.
+    guard = Guard(
+        filter=rule_filter,
+        breaker=breaker,
+        on_decision=metrics.decision,
+        on_failure=partial(metrics.filter_failure, "guard"),
+        stale=rule_stale,
+    )
     # Added innermost first: metrics see every answer, then the UTF-8 check, the body limit,
     # then the guard.
     app.add_middleware(
-        GuardMiddleware,
-        filter=_records_filter,
-        paths=[r"/records/(?P<key>[^/]+)"],
-        fail_open=cfg.fail_open,
-        breaker=breaker,
-        retry_after=cfg.retry_after,
-        on_decision=metrics.decision,
-        on_failure=partial(metrics.filter_failure, "guard"),
-        stale=_records_stale,
+        GuardMiddleware, rules=served.rules, guard=guard, retry_after=cfg.retry_after
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     # Outside the guard and the routes: they only ever see the server's lossy decoding.
     app.add_middleware(Utf8Middleware, routes=app.router.routes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, guarded_route="/records/{key}")
+    # Outermost: every proxied request's hop, answered before anything else runs.
+    app.add_middleware(
+        GatewayRoutes, rules=served.rules, guard=guard, retry_after=cfg.retry_after,
+        on_request=metrics.request,
+    )  # fmt: skip
     if problem is not None:
         app.add_middleware(ConfigErrorGate, problem=problem)
     else:
