@@ -365,3 +365,38 @@ def test_service_refuses_a_bad_rules_file_in_one_line(tmp_path: Path, text: str,
     errors = [x for x in run.stderr.splitlines() if x.startswith("ERROR:")]
     expected = line.format(path=path)
     assert errors == [f"ERROR:    {expected}", "ERROR:    Application startup failed. Exiting."]
+
+
+class TestCheckCommand:
+    """`guard rules check FILE`."""
+
+    def test_prints_what_each_rule_guards(self) -> None:
+        run = run_module("app.cli", "rules", "check", str(RULES), env=clean_env())
+        assert run.returncode == 0, run.stderr
+        lines = run.stdout.splitlines()
+        assert lines[0] == (
+            f"{RULES}: 5 rules; follows users.id; filters fed through the API: coupons, "
+            "orders, sessions"
+        )
+        assert lines[1:] == [
+            "  users: GET,HEAD /api/users/{id} -> key from path 'id' -> filter 'users' "
+            "(follows table users.id); fail open",
+            "  records: GET,HEAD /records/{key} -> key from path 'key' -> filter 'users' "
+            "(follows table users.id); fail open",
+            "  orders: DELETE,GET,HEAD /api/orders/{id} -> key from path 'id' -> filter "
+            "'orders' (fed through the filter API); fail closed",
+            "  coupons: GET,HEAD /api/coupons -> key from query 'code', strip+lower -> filter "
+            "'coupons' (fed through the filter API); fail open",
+            "  sessions: GET,HEAD /api/session -> key from header 'x-session-id' -> filter "
+            "'sessions' (fed through the filter API); fail open",
+        ]
+
+    def test_a_bad_file_is_one_line_and_exit_1(self, tmp_path: Path) -> None:
+        path = tmp_path / "rules.yaml"
+        path.write_text('rules:\n  - {name: a, path: "/a/{id}", filter: a, source: api, x: 1}\n')
+        run = run_module("app.cli", "rules", "check", str(path), env=clean_env())
+        assert run.returncode == 1 and run.stdout == ""
+        assert run.stderr.splitlines() == [
+            f"error: {path}: rule #1 (a): x: no such field; a rule has name, path, methods, "
+            "key, normalize, filter, fail_open, source, table, key_column (got 1)"
+        ]
