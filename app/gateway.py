@@ -15,10 +15,10 @@ Each gateway sends a sub-request per incoming request, naming the original in it
 Every pass is 200 with an empty body. ``X-Guard`` says why: ``passed`` (the filter may hold
 the key), ``blocked``, ``bypassed`` (a failed lookup under a fail-open rule, or a request it
 cannot read for sure, with ``X-Guard-Reason``), ``rejected``, or ``unguarded`` (no rule
-matches). ``X-Guard-Rule`` and ``X-Guard-Key`` (percent-encoded UTF-8) name what was looked
-up. It never reads a request body, never asks the database, and makes one filter lookup,
-through the rule's coalescing handle. The decision itself is the middleware's
-(`guard.middleware.Guard`), so a gateway and the app answer a key alike.
+matches). ``X-Guard-Rule`` and ``X-Guard-Key`` (percent-encoded UTF-8; empty past 1 KiB)
+name what was looked up. It never reads a request body, never asks the database, and makes
+one filter lookup, through the rule's coalescing handle. The decision itself is the
+middleware's (`guard.middleware.Guard`), so a gateway and the app answer a key alike.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ log = logging.getLogger("app.gateway")
 PREFIX = "/authz"
 ENVOY = PREFIX + "/envoy"
 UNGUARDED = "unguarded"
+MAX_ECHOED_KEY = 1024  # X-Guard-Key is left empty for longer (percent-encoded) keys
 NOT_FOUND = b'{"detail":"Not Found"}'
 UNAVAILABLE = b'{"detail":"Guard filter unavailable"}'
 
@@ -48,18 +49,23 @@ class Convention:
     """How one kind of gateway names the original request, and which statuses it wants."""
 
     route: str  # the metrics label
-    method_header: bytes | None  # None: the sub-request's own method (Envoy)
-    uri_header: bytes | None  # None: the path after ENVOY
+    # The headers naming the original method and URI; None: the sub-request's own method,
+    # and its path after ENVOY (Envoy).
+    headers: tuple[bytes, bytes] | None
     blocked: tuple[int, bytes]  # status, body
     rejected: tuple[int, bytes]
 
 
-NGINX = Convention("/authz/nginx", b"x-original-method", b"x-original-uri", (403, b""), (401, b""))
+NGINX = Convention(
+    "/authz/nginx", (b"x-original-method", b"x-original-uri"), (403, b""), (401, b"")
+)
 FORWARD = Convention(
-    "/authz/forward", b"x-forwarded-method", b"x-forwarded-uri", (404, NOT_FOUND),
+    "/authz/forward",
+    (b"x-forwarded-method", b"x-forwarded-uri"),
+    (404, NOT_FOUND),
     (503, UNAVAILABLE),
-)  # fmt: skip
-ENVOY_HTTP = Convention(ENVOY, None, None, (404, NOT_FOUND), (503, UNAVAILABLE))
+)
+ENVOY_HTTP = Convention(ENVOY, None, (404, NOT_FOUND), (503, UNAVAILABLE))
 CONVENTIONS = {"/authz/nginx": NGINX, "/authz/forward": FORWARD}
 
 
@@ -122,6 +128,8 @@ class GatewayRoutes:
         scope["guard.rule"] = found.rule
         decision = await self.guard.decide(scope, found.key, found.rule.fail_open)
         key = quote(found.key, safe="")
+        if len(key) > MAX_ECHOED_KEY:
+            key = ""  # nginx reads an answer's headers into 4 KiB: it would fail the request
         if decision == BLOCKED:
             status, body = convention.blocked
         elif decision == REJECTED:
@@ -146,33 +154,33 @@ class GatewayRoutes:
 def original(scope: Scope, convention: Convention) -> tuple[str, str, bytes]:
     """(method, decoded path, raw query) of the request the gateway asks about; Unreadable
     when it cannot be told for sure."""
-    if convention.method_header is None:
+    if convention.headers is None:
         method = scope["method"]
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         uri = raw_path[len(ENVOY) :]
         query = scope.get("query_string", b"")
         if query:
             uri += b"?" + query
-    else:
-        method = _single(scope, convention.method_header).decode("ascii", "replace").upper()
-        if not method.isalpha():
-            raise Unreadable(f"{convention.method_header.decode()}: not an HTTP method")
-        uri = _single(scope, convention.uri_header or b"")
-    return method, *split_uri(uri, convention)
+        return method, *split_uri(uri, "path")
+    method_header, uri_header = convention.headers
+    found: dict[bytes, list[bytes]] = {method_header: [], uri_header: []}
+    for name, value in scope["headers"]:  # one pass: this runs for every proxied request
+        if name in found:
+            found[name].append(value)
+    for name, values in found.items():
+        if len(values) != 1:
+            many = "missing" if not values else f"{len(values)} values"
+            raise Unreadable(f"{name.decode()}: {many}")
+    method, uri = found[method_header][0].strip(), found[uri_header][0].strip()
+    if not method.isalpha():
+        raise Unreadable(f"{method_header.decode()}: not an HTTP method")
+    return method.decode("ascii").upper(), *split_uri(uri, uri_header.decode())
 
 
-def _single(scope: Scope, name: bytes) -> bytes:
-    values = [v for k, v in scope["headers"] if k == name]
-    if len(values) != 1:
-        header = name.decode()
-        raise Unreadable(f"{header}: {'missing' if not values else f'{len(values)} values'}")
-    return values[0].strip()
-
-
-def split_uri(uri: bytes, convention: Convention) -> tuple[str, bytes]:
+def split_uri(uri: bytes, where: str) -> tuple[str, bytes]:
     """The path decoded as the gateway routes on it (percent-escapes decoded, so ``%2F`` is a
-    ``/``; ``.`` and ``..`` segments resolved), and the raw query."""
-    where = (convention.uri_header or b"path").decode()
+    ``/``; ``.`` and ``..`` segments resolved), and the raw query; ``where`` names the
+    header in an Unreadable."""
     if uri.startswith((b"http://", b"https://")):  # absolute-form: keep path and query
         parts = urlsplit(uri)
         uri = (parts.path or b"/") + (b"?" + parts.query if parts.query else b"")
@@ -181,7 +189,9 @@ def split_uri(uri: bytes, convention: Convention) -> tuple[str, bytes]:
     if not raw_path.startswith(b"/"):
         raise Unreadable(f"{where}: not a path starting with /")
     try:
-        path = unquote_to_bytes(raw_path).decode("utf-8")
+        if b"%" in raw_path:
+            raw_path = unquote_to_bytes(raw_path)
+        path = raw_path.decode("utf-8")
     except UnicodeDecodeError:
         raise Unreadable(f"{where}: not UTF-8 once percent-decoded") from None
     return remove_dot_segments(path), query
