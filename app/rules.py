@@ -123,6 +123,15 @@ def service_rules(settings: Settings) -> ServiceRules:
 def _store_settings(rules: Rules, settings: Settings) -> Settings:
     rule = next((r for r in rules if r.follows_table), None)
     if rule is None:
+        # The records store still follows its table with GUARD_RECORDS_FILTER: an API-fed
+        # rule may not feed that filter too (the API refuses to change it).
+        fed = next((r for r in rules if r.filter == settings.records_filter), None)
+        if fed is not None:
+            raise RulesError(
+                f"{settings.rules}: rule {fed.name}: filter: {fed.filter!r} follows the "
+                "records table (GUARD_RECORDS_FILTER): a filter fed through the API needs "
+                "another name"
+            )
         return settings
     update: Mapping[str, Any] = {
         setting: getattr(rule, field) for field, setting in STORE_SETTINGS.items()

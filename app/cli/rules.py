@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from app.cli.common import cli, console, settings
-from app.rules import read_rules
+from app.rules import service_rules
 
 rules_cli = typer.Typer(
     name="rules",
@@ -23,10 +23,10 @@ cli.add_typer(rules_cli)
 def check(
     file: Annotated[Path, typer.Argument(help="A rules file: .yaml, .yml or .toml.")],
 ) -> None:
-    """Check FILE as `guard serve` would with GUARD_RULES=FILE (exit 1 and one line naming
-    the rule and field if it would refuse it), and print what each rule guards, in the order
-    they are tried."""
-    rules = read_rules(file, fail_open=settings().fail_open)
+    """Check FILE as `guard serve` would with GUARD_RULES=FILE and the other GUARD_* settings
+    (exit 1 and one line naming the rule and field if it would refuse it), and print what
+    each rule guards, in the order they are tried."""
+    rules = service_rules(settings(rules=str(file))).rules
     tables = sorted({f"{r.table}.{r.key_column}" for r in rules if r.follows_table})
     fed = sorted({r.filter for r in rules if not r.follows_table})
     console.print(

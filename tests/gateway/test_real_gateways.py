@@ -24,8 +24,14 @@ from typing import Any
 import httpx
 import pytest
 
-from devkit.gateways import RULES, Nginx, missing_programs, start_backend, start_caddy
-from devkit.gateways import start_nginx_gateway
+from devkit.gateways import (
+    RULES,
+    Nginx,
+    missing_programs,
+    start_backend,
+    start_caddy,
+    start_nginx_gateway,
+)
 from devkit.postgres import create_database, drop_database
 from devkit.processes import HttpProcess
 from devkit.redis_server import RedisProcess
@@ -250,4 +256,3 @@ class TestFailures:
         assert answers[0].status_code == 200
         assert reached == [f"GET /api/users/{USERS + 1} guard=unchecked key=-"]
         assert wait_for(lambda: get(f"{url}/api/users/{USERS + 1}").status_code == 404, 10)
-

@@ -223,6 +223,10 @@ class TestMatch:
         assert self.match("GET", "/api/users/%20".replace("%20", " ")) == ("users", None, None)
 
 
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+
+
 class Downstream:
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -264,9 +268,7 @@ class TestMiddleware:
                         "filter": "sessions", "source": "api"}]}
         )  # fmt: skip
         app = GuardMiddleware(down, filter=filters.of, rules=rules)
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://t"
-        ) as c:
+        async with client(app) as c:
             assert (await c.get("/api/users/ALICE")).headers["x-guard"] == "passed"
             r = await c.get("/api/users/bob")
             assert r.status_code == 404 and r.headers["x-guard"] == "blocked"
@@ -286,9 +288,7 @@ class TestMiddleware:
 
         rules = parse({"rules": [USERS, {**ORDERS, "fail_open": False}]})
         app = GuardMiddleware(Downstream(), filter=Down(), rules=rules, cooldown=0)
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://t"
-        ) as c:
+        async with client(app) as c:
             assert (await c.get("/api/users/1")).headers["x-guard"] == "bypassed"
             r = await c.get("/api/orders/1")
             assert r.status_code == 503 and r.headers["x-guard"] == "rejected"
@@ -318,6 +318,18 @@ class TestService:
         served = service_rules(Settings(rules=str(path)))
         s = served.settings
         assert (s.records_table, s.records_key_column, s.records_filter) == ("users", "id", "users")
+
+    def test_an_api_rule_may_not_feed_the_records_filter(self, tmp_path: Path) -> None:
+        path = tmp_path / "rules.yaml"
+        path.write_text(f"rules: [{ {**ORDERS, 'filter': 'records'}!r}]".replace("'", '"'))
+        with pytest.raises(RulesError) as caught:
+            service_rules(Settings(rules=str(path)))
+        assert str(caught.value) == (
+            f"GUARD_RULES: {path}: rule orders: filter: 'records' follows the records table "
+            "(GUARD_RECORDS_FILTER): a filter fed through the API needs another name"
+        )
+        path.write_text(f"rules: [{ORDERS!r}]".replace("'", '"'))
+        assert service_rules(Settings(rules=str(path))).settings.records_filter == "records"
 
     def test_the_environment_may_not_disagree(self, tmp_path: Path) -> None:
         path = tmp_path / "rules.yaml"
@@ -397,6 +409,6 @@ class TestCheckCommand:
         run = run_module("app.cli", "rules", "check", str(path), env=clean_env())
         assert run.returncode == 1 and run.stdout == ""
         assert run.stderr.splitlines() == [
-            f"error: {path}: rule #1 (a): x: no such field; a rule has name, path, methods, "
-            "key, normalize, filter, fail_open, source, table, key_column (got 1)"
+            f"error: GUARD_RULES: {path}: rule #1 (a): x: no such field; a rule has name, path, "
+            "methods, key, normalize, filter, fail_open, source, table, key_column (got 1)"
         ]
