@@ -10,7 +10,8 @@ Each gateway sends a sub-request per incoming request, naming the original in it
   it is: blocked is 404, refused 503 with Retry-After.
 - ``/authz/envoy<original path>``: Envoy ``ext_authz`` in HTTP mode, which appends the
   original path and query to a path prefix and keeps the original method. Answers as
-  ``forward`` (Envoy passes on only 200).
+  ``forward``: Envoy passes on only 200, hands a 404 to the client, and takes a 503 for a
+  failure of the guard (its ``status_on_error``).
 
 Every pass is 200 with an empty body. ``X-Guard`` says why: ``passed`` (the filter may hold
 the key), ``blocked``, ``bypassed`` (a failed lookup under a fail-open rule, or a request it

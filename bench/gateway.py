@@ -40,7 +40,7 @@ class Scale:
     sequential: int  # requests per side at one connection, in blocks of 100
 
 
-QUICK = Scale(seconds=2, rounds=1, busy=32, moderate=4, sequential=1_000)
+QUICK = Scale(seconds=1, rounds=3, busy=32, moderate=4, sequential=1_000)
 FULL = Scale(seconds=10, rounds=3, busy=32, moderate=4, sequential=10_000)
 
 
