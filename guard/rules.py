@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import re
 import tomllib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from guard.names import NAME_PATTERN, NAME_RULE
@@ -125,7 +124,7 @@ class Rules:
     def __init__(self, rules: Iterable[Rule]) -> None:
         self.rules = tuple(rules)
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Rule]:
         return iter(self.rules)
 
     def __len__(self) -> int:
