@@ -20,7 +20,7 @@ from app import errors
 from app.db import Database, DatabaseSetupError, open_database
 from app.deps import FilterHandles
 from app.feed import Follower
-from app.gateway import GatewayRoutes
+from app.gateway import GatewayRoute, GuardApp
 from app.idempotency import Idempotency
 from app.input import BodyLimitMiddleware, Utf8Middleware
 from app.metrics import Metrics, RequestMetricsMiddleware
@@ -230,7 +230,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             }
             metrics.bind_queries(None)
 
-    app = FastAPI(
+    app = GuardApp(
         title="cuckoo-guard",
         version="0.1.0",
         summary="Cuckoo filters in Redis, and a guard that stops requests for absent keys",
@@ -261,11 +261,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Outside the guard and the routes: they only ever see the server's lossy decoding.
     app.add_middleware(Utf8Middleware, routes=app.router.routes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, guarded_route="/records/{key}")
-    # Outermost: every proxied request's hop, answered before anything else runs.
-    app.add_middleware(
-        GatewayRoutes, rules=served.rules, guard=guard, retry_after=cfg.retry_after,
-        on_request=metrics.request,
-    )  # fmt: skip
+    # Every proxied request's hop: answered before anything else runs (app/gateway.py).
+    app.gateway = GatewayRoute(
+        rules=served.rules, guard=guard, retry_after=cfg.retry_after, on_request=metrics.request
+    )
     if problem is not None:
         app.add_middleware(ConfigErrorGate, problem=problem)
     else:
