@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from app import errors
 from app.db import DatabaseSetupError, open_database
 from app.deps import FilterHandles
+from app.gateway import GatewayRoute, GuardApp
 from app.idempotency import Idempotency
 from app.input import BodyLimitMiddleware, Utf8Middleware
 from app.metrics import Metrics, RequestMetricsMiddleware
@@ -27,10 +28,11 @@ from app.records import RecordStore
 from app.redis_conn import open_redis
 from app.routes import dashboard, filters, health, records
 from app.routing import add_routes
+from app.rules import rule_filter, rule_stale, rules_or_problem
 from app.settings import Settings, describe, startup_problem, weak_api_key
 from app.tasks import cancel
 from guard.breaker import RedisBreaker
-from guard.middleware import GuardMiddleware
+from guard.middleware import Guard, GuardMiddleware
 
 log = logging.getLogger("app")
 
@@ -40,18 +42,6 @@ __all__ = ["ConfigError", "app", "create_app", "weak_api_key"]
 # defaults load them from a CDN).
 DOCS_ASSETS = "/docs-assets"
 DOCS_FILES = files("fastapi_offline") / "static"
-
-
-def _records_filter(scope: Any) -> Any:
-    """The records filter handle, from the lifespan state (None before start-up)."""
-    store = scope.get("state", {}).get("records")
-    return None if store is None else store.filter
-
-
-def _records_stale(scope: Any) -> bool:
-    """Whether the watchdog finds the records filter behind the table."""
-    watchdog = scope.get("state", {}).get("watchdog")
-    return watchdog is not None and watchdog.stale
 
 
 class ConfigError(RuntimeError):
@@ -117,7 +107,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             problem = describe(exc)
             settings = Settings.model_construct()
     problem = problem or startup_problem(settings)
-    cfg = settings
+    # The route rules; a table-backed one puts the records store on its table.
+    served, rules_problem = rules_or_problem(settings)
+    problem = problem or rules_problem
+    cfg = served.settings
     metrics = Metrics()
     # One window for the one Redis: a failed guard lookup spares the cache read after it.
     breaker = RedisBreaker(cfg.redis_cooldown)
@@ -147,12 +140,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             store = await stack.enter_async_context(
                 RecordStore.running(redis, db, cfg, metrics, breaker, clients.admin)
             )
+            handles = FilterHandles(
+                redis, cfg.key_prefix, [store.filter], coalesce=cfg.lookup_coalescing
+            )
             yield {
                 "redis": redis,
                 "admin_redis": clients.admin,
-                "filters": FilterHandles(
-                    redis, cfg.key_prefix, [store.filter], coalesce=cfg.lookup_coalescing
-                ),
+                "filters": handles,
+                "rule_filters": {rule.name: handles.get(rule.filter) for rule in served.rules},
                 "db": db,
                 "records": store,
                 "follower": store.follower if cfg.feed else None,
@@ -163,7 +158,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             }
             metrics.bind_queries(None)
 
-    app = FastAPI(
+    app = GuardApp(
         title="cuckoo-guard",
         version="0.1.0",
         summary="Cuckoo filters in Redis, and a guard that stops requests for absent keys",
@@ -177,23 +172,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app, cfg.retry_after)
     add_routes(app, (health.router, filters.router, records.router, dashboard.router))
     _add_docs(app, cfg)
+    # One decision for the app's own guarded routes and the gateway route.
+    guard = Guard(
+        filter=rule_filter,
+        breaker=breaker,
+        on_decision=metrics.decision,
+        on_failure=partial(metrics.filter_failure, "guard"),
+        stale=rule_stale,
+    )
     # Added innermost first: metrics see every answer, then the UTF-8 check, the body limit,
     # then the guard.
     app.add_middleware(
-        GuardMiddleware,
-        filter=_records_filter,
-        paths=[r"/records/(?P<key>[^/]+)"],
-        fail_open=cfg.fail_open,
-        breaker=breaker,
-        retry_after=cfg.retry_after,
-        on_decision=metrics.decision,
-        on_failure=partial(metrics.filter_failure, "guard"),
-        stale=_records_stale,
+        GuardMiddleware, rules=served.rules, guard=guard, retry_after=cfg.retry_after
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     # Outside the guard and the routes: they only ever see the server's lossy decoding.
     app.add_middleware(Utf8Middleware, routes=app.router.routes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, guarded_route="/records/{key}")
+    # Every proxied request's hop: answered before anything else runs (app/gateway.py).
+    app.gateway = GatewayRoute(
+        rules=served.rules, guard=guard, retry_after=cfg.retry_after, on_request=metrics.request
+    )
     if problem is not None:
         app.add_middleware(ConfigErrorGate, problem=problem)
     else:

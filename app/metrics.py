@@ -247,5 +247,9 @@ class RequestMetricsMiddleware:
         route = scope.get("route")
         if route is not None:
             return str(getattr(route, "path", "other"))
-        # Answered before routing: by the guard (blocked, rejected) or the body limit.
+        # Answered before routing: by the guard (blocked, rejected: its rule's path) or the
+        # body limit.
+        rule = scope.get("guard.rule")
+        if rule is not None:
+            return str(rule.path)
         return self.guarded_route if "guard.decision" in scope else "unrouted"

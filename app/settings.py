@@ -88,7 +88,10 @@ class Settings(BaseSettings):
     feed_prefix: str = Field(default="guard", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,40}$")
 
     # Guard behaviour.
-    fail_open: bool = True
+    # The route rules file (.yaml or .toml, docs/gateway.md): which requests are guarded, by
+    # which filter. "" = one rule: GET/HEAD /records/{key} by the records filter.
+    rules: str = ""
+    fail_open: bool = True  # a rule's default (its fail_open): a failed lookup passes
     lookup_coalescing: bool = Field(
         default=True,
         description="send concurrent lookups on one filter together (guard/coalesce.py)",

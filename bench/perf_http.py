@@ -55,14 +55,22 @@ def get_json(server: HttpProcess, path: str) -> Any:
 # -- wrk ----------------------------------------------------------------------------------------
 
 # {method}, {path_fmt} (one %d), {n}: random integer in 1..n per request; {bodies}: a Lua table
-# of request bodies taken in turn (empty for GET). done() prints one JSON line we parse.
+# of request bodies taken in turn (empty for GET); {extra}: headers whose values are formats of
+# the same integer (a gateway's X-Original-URI). done() prints one JSON line we parse.
 WRK_SCRIPT = """
 math.randomseed({seed})
 local bodies = {{ {bodies} }}
+local extra = {{ {extra} }}
 local k = 0
 local headers = {{ ["Content-Type"] = "application/json" }}
 request = function()
-  local path = string.format("{path_fmt}", math.random(1, {n}))
+  local n = math.random(1, {n})
+  local path = string.format("{path_fmt}", n)
+  if next(extra) ~= nil then
+    local h = {{}}
+    for name, fmt in pairs(extra) do h[name] = string.format(fmt, n) end
+    return wrk.format("{method}", path, h)
+  end
   if #bodies == 0 then return wrk.format("{method}", path) end
   k = k % #bodies + 1
   return wrk.format("{method}", path, headers, bodies[k])
@@ -88,6 +96,7 @@ class WrkCase:
     connections: int
     method: str = "GET"
     bodies: tuple[str, ...] = ()
+    headers: tuple[tuple[str, str], ...] = ()  # (name, value format with one %d)
 
 
 @dataclass(frozen=True)
@@ -123,9 +132,11 @@ def have_wrk() -> bool:
 
 def run_wrk(case: WrkCase, base: str, seconds: int, seed: int, workdir: Path) -> WrkResult:
     bodies = ", ".join("[[" + b + "]]" for b in case.bodies)
+    extra = ", ".join(f'["{name}"] = "{fmt}"' for name, fmt in case.headers)
     script = WRK_SCRIPT.format(
-        seed=seed, bodies=bodies, method=case.method, path_fmt=case.path_fmt, n=case.n
-    )
+        seed=seed, bodies=bodies, extra=extra, method=case.method, path_fmt=case.path_fmt,
+        n=case.n,
+    )  # fmt: skip
     path = workdir / f"wrk-{abs(hash(case.name))}.lua"
     path.write_text(script)
     load = f"{os.getloadavg()[0]:.2f}"

@@ -29,6 +29,7 @@ from bench import (
     core,
     core_report,
     feed,
+    gateway,
     mutations,
     outages,
     perf,
@@ -350,6 +351,17 @@ SUITES: dict[str, Entry] = {
                 {"default": "bench_repair_", "help": "prefix of the PostgreSQL databases made"},
             ),
         ),
+    ),
+    "gateway": Entry(
+        "the guard as nginx's auth_request hop: blocked rate, added latency, the route's rate",
+        lambda a: single_section(
+            "gateway",
+            "The guard behind nginx",
+            a.redis_url,
+            lambda t: gateway.measure(t, quick=a.quick),
+            gateway.report,
+        ),
+        report="docs/bench-gateway.md",
     ),
     "reliability": Entry(
         "worker processes churn one filter near full; checks for false negatives",

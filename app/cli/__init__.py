@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from app.cli import feed, filters, service  # noqa: F401  (they register their commands on `cli`)
+from app.cli import feed, filters, rules, service  # noqa: F401  (they register their commands on `cli`)
 from app.cli.common import cli
 
 
