@@ -182,8 +182,13 @@ def check_limits_agree(case: schemathesis.Case, fuzzed: Fuzzed) -> None:
         if isinstance(name, str) and (not negative or broken.parameter != "confirm"):
             case.query = {**(case.query or {}), "confirm": name}
     headers = dict(AUTH)
-    if not negative and case.headers and "Idempotency-Key" in case.headers:
-        # A key reused for another request is refused by state, not by a limit: one per case.
+    broken_parts: set[str | None] = set()
+    if negative:
+        broken = case.meta.phase.data
+        broken_parts = {broken.parameter, *(m.parameter for m in broken.mutations)}
+    if case.headers and "Idempotency-Key" in case.headers and "Idempotency-Key" not in broken_parts:
+        # A key reused for another request is refused by state, not by a limit: one per case
+        # (a negative case keeps its own only when the key is what it breaks).
         headers["Idempotency-Key"] = uuid.uuid4().hex
     response = case.call(headers=headers, timeout=10)
     if negative:
