@@ -102,7 +102,8 @@ class RecordCache:
         self.settings = settings
         self.metrics = metrics
         self.breaker = breaker
-        self._prefix = f"{settings.key_prefix}app:cache:"
+        # Per filter: two guarded tables may both have a row "42".
+        self._prefix = f"{settings.key_prefix}app:cache:{settings.records_filter}:"
         self._set_if_unchanged = FlushSafeScript(redis, _SET_IF_UNCHANGED)
         self._forget = FlushSafeScript(redis, _FORGET)
         self._flight = SingleFlight()

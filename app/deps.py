@@ -19,7 +19,7 @@ from app.errors import BadInput, Conflict
 from app.idempotency import Idempotency
 from app.metrics import Metrics
 from app.openapi import LIMIT_KEY
-from app.records import RecordStore
+from app.records import RecordStore, Tables
 from app.settings import Settings
 from app.watchdog import Watchdog
 from guard import CuckooFilter
@@ -68,6 +68,11 @@ async def get_records(request: Request) -> RecordStore:
     return records
 
 
+async def get_tables(request: Request) -> Tables:
+    tables: Tables = _lifespan_state(request, "tables")
+    return tables
+
+
 async def get_idempotency(request: Request) -> Idempotency:
     idem: Idempotency = _lifespan_state(request, "idempotency")
     return idem
@@ -84,6 +89,7 @@ MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
 DbDep = Annotated[Database, Depends(get_db)]
 RecordsDep = Annotated[RecordStore, Depends(get_records)]
+TablesDep = Annotated[Tables, Depends(get_tables)]
 IdempotencyDep = Annotated[Idempotency, Depends(get_idempotency)]
 WatchdogDep = Annotated[Watchdog | None, Depends(get_watchdog)]
 FilterName = Annotated[str, Path(pattern=NAME_PATTERN, description="Filter name")]
@@ -143,12 +149,15 @@ async def get_filter(name: FilterName, request: Request) -> CuckooFilter:
 FilterDep = Annotated[CuckooFilter, Depends(get_filter)]
 
 
-async def get_writable_filter(cf: FilterDep, settings: SettingsDep) -> CuckooFilter:
+async def get_writable_filter(cf: FilterDep, request: Request) -> CuckooFilter:
     """A filter the API may change: not one that follows a table (that would break its
     one-fingerprint-per-row bookkeeping; a deleted fingerprint is a false negative)."""
-    if cf.name == settings.records_filter:
+    tables: Tables = _lifespan_state(request, "tables")
+    store = tables.of_filter(cf.name)
+    if store is not None:
         raise Conflict(
-            f"filter {cf.name!r} follows the records table: change records, or rebuild it"
+            f"filter {cf.name!r} follows the table {store.settings.records_table}: change its "
+            "rows, or rebuild it"
         )
     return cf
 

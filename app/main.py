@@ -24,7 +24,7 @@ from app.idempotency import Idempotency
 from app.input import BodyLimitMiddleware, Utf8Middleware
 from app.metrics import Metrics, RequestMetricsMiddleware
 from app.openapi import document_limits
-from app.records import RecordStore
+from app.records import Tables
 from app.redis_conn import open_redis
 from app.routes import dashboard, filters, health, records
 from app.routing import add_routes
@@ -42,6 +42,14 @@ __all__ = ["ConfigError", "app", "create_app", "weak_api_key"]
 # defaults load them from a CDN).
 DOCS_ASSETS = "/docs-assets"
 DOCS_FILES = files("fastapi_offline") / "static"
+
+
+async def _open_database(settings: Settings) -> Any:
+    """A guarded table's database; a table or column it lacks stops the start-up (one line)."""
+    try:
+        return await open_database(settings)
+    except DatabaseSetupError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 class ConfigError(RuntimeError):
@@ -123,25 +131,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         async with AsyncExitStack() as stack:
             clients = await stack.enter_async_context(open_redis(cfg))
             redis = clients.main
-            try:
-                db = await open_database(cfg)
-            except DatabaseSetupError as exc:
-                raise ConfigError(str(exc)) from None
-            stack.push_async_callback(db.close)
-            seeded = await db.seed(cfg.demo_records)
-            if seeded:
-                log.info("seeded %d demo records", seeded)
+            # The records subsystems, one per guarded table: filter, caches, follower,
+            # watchdog, rebuilds (app/records.py); the first serves /records.
+            tables = await stack.enter_async_context(
+                Tables.running(served.tables, clients, metrics, breaker, _open_database)
+            )
+            store = tables.primary
+            db = store.db
             metrics.bind_queries(lambda: db.queries)
             sampler = asyncio.create_task(
                 dashboard.sample(history, lambda: dashboard.counters(metrics, db))
             )
             stack.push_async_callback(cancel, sampler)
-            # The records subsystem: filter, caches, follower, watchdog, rebuilds (app/records.py).
-            store = await stack.enter_async_context(
-                RecordStore.running(redis, db, cfg, metrics, breaker, clients.admin)
-            )
             handles = FilterHandles(
-                redis, cfg.key_prefix, [store.filter], coalesce=cfg.lookup_coalescing
+                redis,
+                cfg.key_prefix,
+                [s.filter for s in tables],
+                coalesce=cfg.lookup_coalescing,
             )
             yield {
                 "redis": redis,
@@ -150,6 +156,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "rule_filters": {rule.name: handles.get(rule.filter) for rule in served.rules},
                 "db": db,
                 "records": store,
+                "tables": tables,
                 "follower": store.follower if cfg.feed else None,
                 "watchdog": store.watchdog,
                 "idempotency": Idempotency(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from typing import Any, TypeVar
 
@@ -30,7 +30,7 @@ from guard import CuckooFilter, FilterInfo, FilterNotFoundError
 from guard.breaker import RedisBreaker
 from guard.errors import RedisUnreachable
 
-__all__ = ["RebuildInProgress", "RecordStore"]
+__all__ = ["RebuildInProgress", "RecordStore", "Tables"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -215,3 +215,55 @@ class RecordStore:
         Readers use the old filter until the swap, so no present key ever reads as absent.
         """
         return await self.rebuilder.run()
+
+
+class Tables:
+    """The records subsystems of one service, one per guarded table (app/rules.py says which
+    tables): ``primary`` is the one the /records routes read and write."""
+
+    def __init__(self, stores: Sequence[RecordStore]) -> None:
+        if not stores:
+            raise ValueError("a service guards one table at least")
+        self.stores = list(stores)
+        self.primary = stores[0]
+        self._by_table = {s.settings.records_table: s for s in stores}
+        self._by_filter = {s.filter.name: s for s in stores}
+
+    def __iter__(self) -> Iterator[RecordStore]:
+        return iter(self.stores)
+
+    def of_table(self, table: str | None) -> RecordStore | None:
+        return self._by_table.get(table or "")
+
+    def of_filter(self, name: str) -> RecordStore | None:
+        """The store whose filter this is: a filter that follows a table."""
+        return self._by_filter.get(name)
+
+    @classmethod
+    @asynccontextmanager
+    async def running(
+        cls,
+        views: Sequence[Settings],
+        clients: Any,
+        metrics: Metrics,
+        breaker: RedisBreaker,
+        open_db: Callable[[Settings], Awaitable[Database]],
+    ) -> AsyncIterator[Tables]:
+        """A store per settings view (one per table), each on a database of its own and
+        running its background work, for the block."""
+        async with AsyncExitStack() as stack:
+            stores = []
+            for view in views:
+                db = await open_db(view)
+                stack.push_async_callback(db.close)
+                seeded = await db.seed(view.demo_records)
+                if seeded:
+                    log.info("seeded %d demo records into %s", seeded, view.records_table)
+                stores.append(
+                    await stack.enter_async_context(
+                        RecordStore.running(
+                            clients.main, db, view, metrics, breaker, clients.admin
+                        )
+                    )
+                )
+            yield cls(stores)

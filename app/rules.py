@@ -1,10 +1,13 @@
 """The service's route rules: GUARD_RULES (YAML or TOML, guard/rules.py says the format), or
 the one built-in rule that guards /records when it is unset.
 
-A table-backed rule names the table its filter follows. Until the records subsystem can be
-assembled once per table, the service follows one table (the records store's, on
-GUARD_DATABASE_URL): its rules may name one table, which then configures the store as
-GUARD_RECORDS_TABLE, GUARD_RECORDS_KEY_COLUMN and GUARD_RECORDS_FILTER would.
+A table-backed rule names the table its filter follows, in GUARD_DATABASE_URL's database. The
+service runs one records subsystem per table the rules name (app/records.py: the filter, its
+change feed, watchdog, rebuilds, caches), each from a view of the settings with that table,
+key column and filter. The first table-backed rule's table is the records table: it stands
+for GUARD_RECORDS_TABLE, GUARD_RECORDS_KEY_COLUMN and GUARD_RECORDS_FILTER, its feed is named
+GUARD_FEED_PREFIX, and the /records routes read and write it; every other table's feed is
+named GUARD_FEED_PREFIX_<table>.
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ def _yaml(path: Path) -> Any:
 
 
 def check_for_service(rules: Rules) -> None:
-    """What the service needs beyond the format: plain SQL names, and one table for now."""
-    tables: dict[tuple[str | None, str | None], Rule] = {}
+    """What the service needs beyond the format (which gives a filter one source): plain SQL
+    names, and one filter and one key column per table."""
+    by_table: dict[str | None, Rule] = {}
     for rule in rules:
         if not rule.follows_table:
             continue
@@ -83,25 +87,27 @@ def check_for_service(rules: Rules) -> None:
                     rule.name,
                     field,
                 )
-        first = next(iter(tables.values()), rule)
-        tables.setdefault((rule.table, rule.key_column), rule)
-        if len(tables) > 1:
-            raise RulesError(
-                f"follows {rule.table}.{rule.key_column} but rule {first.name} follows "
-                f"{first.table}.{first.key_column}: this version follows one table per "
-                "service (run a second service for the other table)",
-                rule.name,
-                "table",
-            )
+        first = by_table.setdefault(rule.table, rule)
+        for field in ("key_column", "filter"):
+            if getattr(first, field) != getattr(rule, field):
+                raise RulesError(
+                    f"{getattr(rule, field)!r}, but rule {first.name} follows table "
+                    f"{rule.table} with {field} {getattr(first, field)!r}: a table has one "
+                    "key column and one filter",
+                    rule.name,
+                    field,
+                )
 
 
 @dataclass(frozen=True)
 class ServiceRules:
-    """The rules a service runs, and its settings with the records store on their table."""
+    """The rules a service runs, its settings (the records table's), and a view of the
+    settings for each table the rules follow, the records table's first."""
 
     rules: Rules
     settings: Settings
     path: str | None  # the rules file, None for the built-in rule
+    tables: tuple[Settings, ...] = ()
 
     @property
     def table_rule(self) -> Rule | None:
@@ -111,13 +117,35 @@ class ServiceRules:
 def service_rules(settings: Settings) -> ServiceRules:
     """GUARD_RULES read and checked, or the built-in rule; RulesError names the setting."""
     if not settings.rules:
-        return ServiceRules(default_rules(settings), settings, None)
+        return ServiceRules(default_rules(settings), settings, None, (settings,))
     try:
         rules = read_rules(settings.rules, fail_open=settings.fail_open)
         store = _store_settings(rules, settings)
     except RulesError as exc:
         raise RulesError(f"GUARD_RULES: {exc}") from None
-    return ServiceRules(rules, store, settings.rules)
+    return ServiceRules(rules, store, settings.rules, _table_views(rules, store))
+
+
+def _table_views(rules: Rules, store: Settings) -> tuple[Settings, ...]:
+    """The records table's settings, then a view for every other table a rule follows."""
+    views = [store]
+    seen: set[str | None] = {store.records_table}
+    for rule in rules:
+        if rule.follows_table and rule.table not in seen:
+            seen.add(rule.table)
+            views.append(
+                store.model_copy(
+                    update={
+                        "records_table": rule.table,
+                        "records_key_column": rule.key_column,
+                        "records_filter": rule.filter,
+                        "records_columns": "",
+                        "feed_prefix": f"{store.feed_prefix}_{rule.table}",
+                        "demo_records": 0,
+                    }
+                )
+            )
+    return tuple(views)
 
 
 def _store_settings(rules: Rules, settings: Settings) -> Settings:
@@ -156,7 +184,7 @@ def rules_or_problem(settings: Settings) -> tuple[ServiceRules, str | None]:
     try:
         return service_rules(settings), None
     except RulesError as exc:
-        return ServiceRules(default_rules(settings), settings, None), str(exc)
+        return ServiceRules(default_rules(settings), settings, None, (settings,)), str(exc)
 
 
 def rule_filter(scope: Any) -> Any:
@@ -167,11 +195,11 @@ def rule_filter(scope: Any) -> Any:
 
 
 def rule_stale(scope: Any) -> bool:
-    """Whether the watchdog finds the table behind the rule's filter stale."""
-    if not scope["guard.rule"].follows_table:
-        return False
-    watchdog = scope.get("state", {}).get("watchdog")
-    return watchdog is not None and bool(watchdog.stale)
+    """Whether the watchdog of the table behind the rule's filter finds it stale."""
+    rule = scope["guard.rule"]
+    tables = scope.get("state", {}).get("tables") if rule.follows_table else None
+    store = None if tables is None else tables.of_table(rule.table)
+    return store is not None and store.watchdog is not None and bool(store.watchdog.stale)
 
 
 __all__ = [

@@ -21,9 +21,9 @@ from app.deps import (
     FiltersDep,
     IdempotencyDep,
     ReadAuth,
-    RecordsDep,
     RedisDep,
     SettingsDep,
+    TablesDep,
     ValidName,
     ValidPathItem,
     WritableFilterDep,
@@ -284,10 +284,11 @@ async def delete_items(
     dependencies=[Auth],
     responses={**openapi.CHANGE},
 )
-async def rebuild(cf: FilterDep, records: RecordsDep) -> Any:
+async def rebuild(cf: FilterDep, tables: TablesDep) -> Any:
     """Rebuild a table-backed filter from its table, swapping it in atomically. 409 for a
     filter no table backs, or while another rebuild runs."""
-    if cf.name != records.filter.name:
+    records = tables.of_filter(cf.name)
+    if records is None:
         if not await cf.exists():
             raise FilterNotFoundError(f"filter {cf.name!r} does not exist")
         raise Conflict(f"filter {cf.name!r} is not backed by a table")

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from app.deps import DbDep, FiltersDep, MetricsDep, RedisDep, SettingsDep, WatchdogDep
+from app.deps import DbDep, FiltersDep, MetricsDep, RedisDep, SettingsDep, TablesDep
 from guard.errors import RedisUnreachable
 from guard.listing import read_filters
 
@@ -23,10 +23,11 @@ MAX_FILTER_GAUGES = 200  # a scrape must stay cheap however many filters there a
 class Health(BaseModel):
     status: str
     redis: str
-    # Only while the watchdog finds the records filter stale (status "degraded"): "stale",
-    # and why (docs/consistency.md).
+    # Only while a watchdog finds a table's filter stale (status "degraded"): "stale", why
+    # (docs/consistency.md), and which filter (the first, when several are).
     filter: str | None = None
     reason: str | None = None
+    name: str | None = None
 
 
 class StatsOut(BaseModel):
@@ -47,10 +48,10 @@ class StatsOut(BaseModel):
     responses={503: {"model": Health, "description": "Redis unreachable"}},
 )
 async def health(
-    redis: RedisDep, metrics: MetricsDep, settings: SettingsDep, watchdog: WatchdogDep
+    redis: RedisDep, metrics: MetricsDep, settings: SettingsDep, tables: TablesDep
 ) -> Any:
-    """200 when Redis answers a PING, else 503. While the records filter is stale (behind
-    the table: the guard does not block until it is repaired) 200 with status "degraded":
+    """200 when Redis answers a PING, else 503. While a table's filter is stale (behind the
+    table: the guard does not block on it until it is repaired) 200 with status "degraded":
     the service answers correctly, only without the filter's savings."""
     try:
         await redis.ping()
@@ -61,9 +62,11 @@ async def health(
             status_code=503,
             headers={"Retry-After": str(settings.retry_after)},
         )
-    incident = watchdog.incident if watchdog is not None else None
-    if incident is not None:
-        return {"status": "degraded", "redis": "ok", "filter": "stale", "reason": incident.reason}
+    for store in tables:
+        incident = store.watchdog.incident if store.watchdog is not None else None
+        if incident is not None:
+            return {"status": "degraded", "redis": "ok", "filter": "stale",
+                    "reason": incident.reason, "name": store.filter.name}  # fmt: skip
     return {"status": "ok", "redis": "ok"}
 
 

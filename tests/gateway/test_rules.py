@@ -148,19 +148,23 @@ class TestErrors:
         with pytest.raises(RulesError, match=r"none\.yaml: cannot read it"):
             read_rules(tmp_path / "none.yaml")
 
-    def test_two_tables_are_refused_for_now(self, tmp_path: Path) -> None:
-        """Phase 1 follows one table per service: the lead lifts this with per-table
-        records subsystems."""
+    def test_several_tables_one_filter_and_key_column_each(self, tmp_path: Path) -> None:
         path = tmp_path / "rules.yaml"
-        other = {**USERS, "name": "orders", "filter": "orders", "table": "orders"}
-        path.write_text(f"rules: [{USERS!r}, {other!r}]".replace("'", '"'))
-        with pytest.raises(RulesError) as caught:
-            read_rules(path)
-        assert str(caught.value) == (
-            f"{path}: rule orders: table: follows orders.id but rule users follows users.id: "
-            "this version follows one table per service (run a second service for the other "
-            "table)"
-        )
+        orders = {**USERS, "name": "orders", "filter": "orders", "table": "orders"}
+        path.write_text(f"rules: [{USERS!r}, {orders!r}]".replace("'", '"'))
+        assert [r.table for r in read_rules(path)] == ["users", "orders"]
+        for clash, line in (
+            ({"filter": "again"}, "filter: 'again', but rule users follows table users with "
+             "filter 'users': a table has one key column and one filter"),
+            ({"filter": "again", "key_column": "email"}, "key_column: 'email', but rule users "
+             "follows table users with key_column 'id': a table has one key column and one "
+             "filter"),
+        ):  # fmt: skip
+            again = {**USERS, "name": "again", **clash}
+            path.write_text(f"rules: [{USERS!r}, {again!r}]".replace("'", '"'))
+            with pytest.raises(RulesError) as caught:
+                read_rules(path)
+            assert str(caught.value) == f"{path}: rule again: {line}"
 
     def test_table_names_are_plain_sql(self, tmp_path: Path) -> None:
         path = tmp_path / "rules.yaml"
@@ -355,10 +359,10 @@ class TestService:
         (
             'rules:\n  - {name: a, path: "/a/{id}", filter: a, source: table, table: a, '
             "key_column: id}\n"
-            '  - {name: b, path: "/b/{id}", filter: b, source: table, table: b, '
+            '  - {name: b, path: "/b/{id}", filter: b, source: table, table: a, '
             "key_column: id}\n",
-            "GUARD_RULES: {path}: rule b: table: follows b.id but rule a follows a.id: this "
-            "version follows one table per service (run a second service for the other table)",
+            "GUARD_RULES: {path}: rule b: filter: 'b', but rule a follows table a with filter "
+            "'a': a table has one key column and one filter",
         ),
     ],
 )
