@@ -129,26 +129,16 @@ asyncio.run(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4
 """
 
 
-def measure(
-    target: Any,
-    seconds: float,
-    rebuild_rows: int,
-    pg_prefix: str,
-    held_s: float,
-    write_seconds: float,
-    write_rounds: int,
-    write_rows: int,
-) -> list[Row]:
-    """Every figure of the report, on the pipeline's Redis (a bench.suite.Target)."""
-    return asyncio.run(_measure(
-        target.url, target.prefix, seconds, rebuild_rows, pg_prefix, held_s,
-        write_seconds, write_rounds, write_rows,
-    ))  # fmt: skip
+def measure(target: Any, **sizes: Any) -> list[Row]:
+    """Every figure of the report, on the pipeline's Redis (a bench.suite.Target); `sizes`:
+    FULL's or QUICK's keys, and pg_prefix."""
+    return asyncio.run(_measure(target.url, target.prefix, **sizes))
 
 
 async def _measure(
     url: str,
     prefix: str,
+    *,
     seconds: float,
     rebuild_rows: int,
     pg_prefix: str,

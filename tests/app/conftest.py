@@ -7,6 +7,7 @@ starts its own redis-server. Never skipped.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
@@ -103,6 +104,17 @@ def make_settings(
 
 
 StartService = Callable[..., Awaitable[Service]]
+DEADLINE_S = 60.0  # how long a background task (a follower, a watchdog) may take in a test
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Wait for ``check()`` to hold (a background task's work), failing after DEADLINE_S."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE_S
+    while not await check():
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {DEADLINE_S} s: {what}")
+        await asyncio.sleep(0.02)
 
 
 @pytest.fixture

@@ -57,38 +57,9 @@ async def open_db(db_url: str) -> AsyncIterator[OpenDb]:
         await db.close()
 
 
-@pytest.fixture
-def other(db_url: str) -> Other:
-    if not db_url.startswith("sqlite:"):
-
-        async def run_pg(sql: str) -> None:
-            conn = await asyncpg.connect(db_url)
-            try:
-                await conn.execute(sql)
-            finally:
-                await conn.close()
-
-        return run_pg
-    path = db_url.removeprefix("sqlite:///")
-
-    def run(sql: str) -> None:
-        conn = sqlite3.connect(path, timeout=10)
-        try:
-            conn.execute(sql)
-            conn.commit()
-        finally:
-            conn.close()
-
-    async def run_async(sql: str) -> None:
-        await asyncio.to_thread(run, sql)
-
-    return run_async
-
-
-@pytest.fixture
-def rolled_back(db_url: str) -> Other:
-    """`rolled_back(sql)`: the statement run in a transaction of its own connection, which
-    then rolls back, as a failed transaction of the user's application would."""
+def _statement_runner(db_url: str, *, commit: bool) -> Other:
+    """`run(sql)`: the statement on a connection of its own, as the user's application would
+    run it: committed, or in a transaction that then rolls back."""
     if not db_url.startswith("sqlite:"):
 
         async def run_pg(sql: str) -> None:
@@ -97,7 +68,7 @@ def rolled_back(db_url: str) -> Other:
                 tx = conn.transaction()
                 await tx.start()
                 await conn.execute(sql)
-                await tx.rollback()
+                await (tx.commit() if commit else tx.rollback())
             finally:
                 await conn.close()
 
@@ -108,7 +79,7 @@ def rolled_back(db_url: str) -> Other:
         conn = sqlite3.connect(path, timeout=10)
         try:
             conn.execute(sql)
-            conn.rollback()
+            conn.commit() if commit else conn.rollback()
         finally:
             conn.close()
 
@@ -116,3 +87,14 @@ def rolled_back(db_url: str) -> Other:
         await asyncio.to_thread(run, sql)
 
     return run_async
+
+
+@pytest.fixture
+def other(db_url: str) -> Other:
+    return _statement_runner(db_url, commit=True)
+
+
+@pytest.fixture
+def rolled_back(db_url: str) -> Other:
+    """`rolled_back(sql)`: as a failed transaction of the user's application: rolled back."""
+    return _statement_runner(db_url, commit=False)

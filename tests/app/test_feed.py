@@ -19,30 +19,19 @@ from app.feed import FilterMissing, Follower, OtherSource, ReplayImpossible
 from devkit.processes import stop_process
 from guard import CuckooFilter
 from guard.changes import ApplyResult, Change
-from tests.app.conftest import AUTH, Service, StartService
+from tests.app.conftest import AUTH, Service, StartService, until
 from tests.app.dbs import Other
 
 # Fingerprints wide enough that two keys colliding in a test is out of the question, so
 # counts can be compared exactly; pages small enough that a rebuild reads several; a Redis
 # timeout that a loaded machine does not trip.
 EXACT = {"records_error_rate": 1e-6, "demo_records": 50, "rebuild_batch": 20, "redis_timeout": 5.0}
-DEADLINE_S = 60.0  # how long a background follower may take before a test gives up
 
 
 @pytest.fixture
 def backend() -> str:
     """Real Redis only: these tests are about the databases (fakeredis runs the library's)."""
     return "redis"
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Wait for ``check()`` to hold (a background task's work), failing after DEADLINE_S."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE_S
-    while not await check():
-        if loop.time() > deadline:
-            raise AssertionError(f"not within {DEADLINE_S} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 async def table_keys(svc: Service) -> list[str]:

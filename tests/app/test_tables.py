@@ -4,13 +4,12 @@ filter, change feed, watchdog, rebuilds), on SQLite and on PostgreSQL (tests/app
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.app.conftest import AUTH, Service, StartService
+from tests.app.conftest import AUTH, Service, StartService, until
 from tests.app.dbs import Other
 
 FORWARD = "/authz/forward"
@@ -23,21 +22,11 @@ RULES = """rules:
      table: users, key_column: id}
   - {name: sessions, path: "/api/sessions/{id}", filter: sessions, source: api}
 """
-DEADLINE_S = 60.0
 
 
 @pytest.fixture
 def backend() -> str:
     return "redis"
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE_S
-    while not await check():
-        if loop.time() > deadline:
-            raise AssertionError(f"not within {DEADLINE_S} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 async def decision(svc: Service, uri: str) -> str:
