@@ -14,7 +14,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from app.db import Database, TableSpec, open_database
+from app.db import Database, TableSpec, open_database, sqlite_path
 from devkit.postgres import temporary_database
 
 OpenDb = Callable[..., Awaitable[Database]]
@@ -57,43 +57,17 @@ async def open_db(db_url: str) -> AsyncIterator[OpenDb]:
         await db.close()
 
 
-@pytest.fixture
-def other(db_url: str) -> Other:
+def _runs_sql(db_url: str, commit: bool) -> Other:
+    """`run(sql)`: the statement on a connection of its own, committed (autocommitted on
+    PostgreSQL) or rolled back."""
     if not db_url.startswith("sqlite:"):
 
         async def run_pg(sql: str) -> None:
             conn = await asyncpg.connect(db_url)
             try:
-                await conn.execute(sql)
-            finally:
-                await conn.close()
-
-        return run_pg
-    path = db_url.removeprefix("sqlite:///")
-
-    def run(sql: str) -> None:
-        conn = sqlite3.connect(path, timeout=10)
-        try:
-            conn.execute(sql)
-            conn.commit()
-        finally:
-            conn.close()
-
-    async def run_async(sql: str) -> None:
-        await asyncio.to_thread(run, sql)
-
-    return run_async
-
-
-@pytest.fixture
-def rolled_back(db_url: str) -> Other:
-    """`rolled_back(sql)`: the statement run in a transaction of its own connection, which
-    then rolls back, as a failed transaction of the user's application would."""
-    if not db_url.startswith("sqlite:"):
-
-        async def run_pg(sql: str) -> None:
-            conn = await asyncpg.connect(db_url)
-            try:
+                if commit:
+                    await conn.execute(sql)
+                    return
                 tx = conn.transaction()
                 await tx.start()
                 await conn.execute(sql)
@@ -102,13 +76,16 @@ def rolled_back(db_url: str) -> Other:
                 await conn.close()
 
         return run_pg
-    path = db_url.removeprefix("sqlite:///")
+    path = sqlite_path(db_url)
 
     def run(sql: str) -> None:
         conn = sqlite3.connect(path, timeout=10)
         try:
             conn.execute(sql)
-            conn.rollback()
+            if commit:
+                conn.commit()
+            else:
+                conn.rollback()
         finally:
             conn.close()
 
@@ -116,3 +93,15 @@ def rolled_back(db_url: str) -> Other:
         await asyncio.to_thread(run, sql)
 
     return run_async
+
+
+@pytest.fixture
+def other(db_url: str) -> Other:
+    return _runs_sql(db_url, commit=True)
+
+
+@pytest.fixture
+def rolled_back(db_url: str) -> Other:
+    """`rolled_back(sql)`: the statement run in a transaction of its own connection, which
+    then rolls back, as a failed transaction of the user's application would."""
+    return _runs_sql(db_url, commit=False)
