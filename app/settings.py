@@ -11,7 +11,8 @@ from platformdirs import user_data_dir
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.db.base import IDENTIFIER, POSTGRES_SCHEMES, SQLITE_PREFIX, parse_columns
+from app.db.base import IDENTIFIER, parse_columns
+from app.db.registry import backend_for
 from guard.connect import CLUSTER_SCHEMES
 from guard.names import NAME_PATTERN
 
@@ -175,10 +176,8 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _known_database_url(cls, url: str) -> str:
-        if url and not url.startswith((SQLITE_PREFIX, *POSTGRES_SCHEMES)):
-            raise ValueError(
-                f"got {url!r}; it accepts {SQLITE_PREFIX}<path>, postgresql://... or postgres://..."
-            )
+        if url:
+            backend_for(url)  # a ValueError naming the URLs the registered databases take
         return url
 
     @field_validator("records_columns")

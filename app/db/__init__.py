@@ -1,7 +1,8 @@
 """The guarded resource's database of record: SQLite (embedded default) or PostgreSQL.
 
-`open_database` picks one by GUARD_DATABASE_URL; both implement `Database` (app/db/base.py),
-change log included.
+`open_database` picks one by GUARD_DATABASE_URL from the databases registered below; each
+implements `Database` (app/db/base.py), change log included, on `BaseDatabase`
+(app/db/common.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from app.db.base import (
-    POSTGRES_SCHEMES,
     Database,
     DatabaseSetupError,
     RecordInputError,
@@ -19,12 +19,20 @@ from app.db.base import (
     parse_columns,
     redacted_url,
 )
+from app.db.common import BaseDatabase
+from app.db.registry import backend_for, register
 from app.db.sqlite import SQLiteDatabase, sqlite_path
 
 if TYPE_CHECKING:  # app.settings checks its values with app.db.base: no import at run time
     from app.settings import Settings
 
+# One line a database: its class (imported when a URL names it, so a driver loads only for
+# its own URLs) and the URL forms that choose it, as the settings' message shows them.
+register("app.db.sqlite:SQLiteDatabase", "sqlite:///<path>")
+register("app.db.postgres:PostgresDatabase", "postgresql://...", "postgres://...")
+
 __all__ = [
+    "BaseDatabase",
     "Database",
     "DatabaseSetupError",
     "RecordInputError",
@@ -34,6 +42,7 @@ __all__ = [
     "TableSpec",
     "open_database",
     "redacted_url",
+    "register",
     "sqlite_path",
     "table_spec",
 ]
@@ -54,7 +63,8 @@ async def open_database(
 ) -> Database:
     """Connect to the database GUARD_DATABASE_URL names, installing its change log if needed.
 
-    Given Settings, the URL, latency and guarded table all come from them.
+    Given Settings, the URL, latency and guarded table all come from them. A URL no database
+    is registered for is a DatabaseSetupError saying which are.
     """
     if isinstance(settings_or_url, str):
         url = settings_or_url
@@ -62,12 +72,8 @@ async def open_database(
         url = settings_or_url.database_url
         latency_ms = settings_or_url.db_latency_ms
         table = table_spec(settings_or_url)
-    if url.startswith(POSTGRES_SCHEMES):
-        from app.db.postgres import PostgresDatabase
-
-        pg = PostgresDatabase(url, latency_ms, table)
-        await pg.connect()
-        return pg
-    db = SQLiteDatabase(sqlite_path(url), latency_ms, table)
-    await db.connect()
-    return db
+    try:
+        backend = backend_for(url)
+    except ValueError as exc:
+        raise DatabaseSetupError(f"GUARD_DATABASE_URL: {exc}") from None
+    return await backend.load().open(url, latency_ms, table)

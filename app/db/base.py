@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -19,8 +20,6 @@ from guard.changes import Change
 
 SnapshotHook = Callable[[int], Awaitable[None]]
 
-SQLITE_PREFIX = "sqlite:///"
-POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 MAX_SOURCE = 2**53 - 1  # a change log's identity fits a JSON number and a filter's header
 INT64 = range(-(2**63), 2**63)
@@ -34,7 +33,7 @@ class Stored(NamedTuple):
 
 
 class Database(Protocol):
-    """A guarded table with a change feed (SQLite or PostgreSQL).
+    """A guarded table with a change feed (SQLite, PostgreSQL: app/db/registry.py).
 
     The feed's positions: `newest_change()` is the newest committed change, `changes_after`
     reads them in order; a filter stores the position it has applied. Writes through `put`
@@ -222,6 +221,12 @@ def parse_columns(raw: str) -> tuple[str, ...]:
     return tuple(identifier("GUARD_RECORDS_COLUMNS", c) for c in names)
 
 
+def new_feed_source() -> int:
+    """A new change log's identity: random, so a log made again (or another database's)
+    is never taken for the one a filter followed."""
+    return secrets.randbelow(MAX_SOURCE) + 1
+
+
 def integer_key(key: str) -> int | None:
     """The integer a key names, for an integer key column; None when no row can have it.
 
@@ -233,24 +238,3 @@ def integer_key(key: str) -> int | None:
     except ValueError:
         return None
     return n if str(n) == key and n in INT64 else None
-
-
-def record_object(value: str, writable: tuple[str, ...], key_column: str) -> dict[str, Any]:
-    """A write's JSON text for a table of columns: an object of writable columns."""
-    obj = json.loads(value)
-    if not isinstance(obj, dict):
-        raise RecordInputError(
-            ("body", "value"), f"must be a JSON object of the columns {', '.join(writable)}"
-        )
-    for name in obj:
-        if name == key_column:
-            raise RecordInputError(
-                ("body", "value", name), "is the key column: the key is in the path"
-            )
-        if name not in writable:
-            raise RecordInputError(
-                ("body", "value", name),
-                f"is not a column the service writes; it writes {', '.join(writable)} "
-                "(GUARD_RECORDS_COLUMNS)",
-            )
-    return obj

@@ -32,26 +32,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 from collections.abc import AsyncIterator
-from contextlib import suppress
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 
 from app.db.base import (
-    MAX_SOURCE,
     DatabaseSetupError,
     RecordInputError,
     SnapshotHook,
-    Stored,
     TableSpec,
-    integer_key,
+    new_feed_source,
     quote,
-    record_object,
     redacted_url,
 )
+from app.db.common import BaseDatabase, Holds, Key, RowWrite
 from guard.changes import Change
 
 log = logging.getLogger(__name__)
@@ -59,9 +56,6 @@ log = logging.getLogger(__name__)
 INTEGER_TYPES = {"smallint", "integer", "bigint"}
 TEXT_TYPES = {"text", "character varying", "character", "name"}
 SMALL_TABLE_PAGES = 64  # sample_keys reads such a table whole
-# wait_for_change asks for a tick this often (with nothing committed since the last one, a
-# tick is an index probe that locks and writes nothing).
-POLL_S = 0.01
 # Keys per event row: a statement's keys go in rows of this many (an array stays far below
 # PostgreSQL's 1 GB per value, whatever the statement's size).
 EVENT_KEYS = 65_536
@@ -258,9 +252,13 @@ class _BatchCursor:
         return [Change(first + i, r[0], str(r[1])) for i, r in enumerate(rows)]
 
 
-class PostgresDatabase:
+class PostgresDatabase(BaseDatabase):
     """PostgreSQL through asyncpg: a pool for the records, and a small one for the change
     feed and the audit (a follower never waits for a connection a records reader holds)."""
+
+    # wait_for_change asks for a tick this often (with nothing committed since the last one,
+    # a tick is an index probe that locks and writes nothing).
+    POLL_S = 0.01
 
     def __init__(
         self,
@@ -270,20 +268,13 @@ class PostgresDatabase:
         pool_size: int = 10,
         feed_pool_size: int = 4,
     ) -> None:
-        self.url = url
-        self.latency = latency_ms / 1000
-        self.spec = table or TableSpec()
-        self.queries = 0
-        self.feed_queries = 0
+        super().__init__(url, latency_ms, table)
         self.ticks_taken = 0  # ticks this process asked for (tests and the bench read it)
-        self.integer_keys = False
         self.key_type = "text"
-        self.columns: tuple[str, ...] = ()
         self._pool_size = max(3, pool_size)  # iter_keys holds two at once
         self._feed_pool_size = max(2, feed_pool_size)  # a big batch's cursor holds one
         self._pool: asyncpg.Pool | None = None
         self._feed_pool: asyncpg.Pool | None = None
-        self._t, self._k = quote(self.spec.table), quote(self.spec.key_column)
         self._n: _Names | None = None
         self._select = ""
         self._key_sql = "$1"
@@ -305,36 +296,30 @@ class PostgresDatabase:
                 server_settings={"enable_seqscan": "off", "jit": "off"},
             )
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            await self.close()
             raise DatabaseSetupError(
                 f"GUARD_DATABASE_URL: cannot connect to {redacted_url(self.url)}: {exc}"
             ) from exc
-        try:
-            async with self._pool.acquire() as conn, conn.transaction():
-                # Two services starting at once install the feed once.
-                await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", self.spec.feed)
-                # Only when missing: even IF NOT EXISTS needs CREATE on the schema.
-                if self.spec.own and await conn.fetchval("SELECT to_regclass('records') IS NULL"):
-                    await conn.execute(
-                        "CREATE TABLE IF NOT EXISTS records "
-                        "(key text PRIMARY KEY, value text NOT NULL)"
-                    )
-                await self._describe_table(conn)
-                schema_of = (
-                    "SELECT n.nspname FROM pg_class c JOIN pg_namespace n "
-                    "ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)"
+        async with self._pool.acquire() as conn, conn.transaction():
+            # Two services starting at once install the feed once.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", self.spec.feed)
+            # Only when missing: even IF NOT EXISTS needs CREATE on the schema.
+            if self.spec.own and await conn.fetchval("SELECT to_regclass('records') IS NULL"):
+                await conn.execute(
+                    "CREATE TABLE IF NOT EXISTS records (key text PRIMARY KEY, value text NOT NULL)"
                 )
-                # The feed lives where it was installed, else in the first schema of the
-                # search_path; the table is wherever the search_path finds it.
-                schema = await conn.fetchval(schema_of, self.spec.feed) or await conn.fetchval(
-                    "SELECT current_schema()"
-                )
-                self._n = _names(self.spec, schema, await conn.fetchval(schema_of, self._t))
-                if not await self._installed(conn):
-                    await self._install(conn, schema)
-        except BaseException:
-            await self.close()
-            raise
+            await self._describe_table(conn)
+            schema_of = (
+                "SELECT n.nspname FROM pg_class c JOIN pg_namespace n "
+                "ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)"
+            )
+            # The feed lives where it was installed, else in the first schema of the
+            # search_path; the table is wherever the search_path finds it.
+            schema = await conn.fetchval(schema_of, self.spec.feed) or await conn.fetchval(
+                "SELECT current_schema()"
+            )
+            self._n = _names(self.spec, schema, await conn.fetchval(schema_of, self._t))
+            if not await self._installed(conn):
+                await self._install(conn, schema)
 
     async def _install(self, conn: asyncpg.Connection, schema: str) -> None:
         """Install the feed, or upgrade the serialising log an older version installed."""
@@ -371,7 +356,7 @@ class PostgresDatabase:
                      self.spec.table, last_id)  # fmt: skip
         await conn.execute(
             f"INSERT INTO {n.feed} (source) SELECT $1 WHERE NOT EXISTS (SELECT 1 FROM {n.feed})",
-            secrets.randbelow(MAX_SOURCE) + 1,
+            new_feed_source(),
         )
         # The base tick: this transaction's snapshot with this transaction counted as still
         # in progress (a snapshot's xmax is past the last transaction that ended, so it may
@@ -395,19 +380,7 @@ class PostgresDatabase:
             self._t,
         )
         types = {str(r["attname"]): str(r["type"]) for r in rows}
-        if not types:
-            raise DatabaseSetupError(f"GUARD_RECORDS_TABLE: no table {spec.table!r}")
-        if spec.key_column not in types:
-            raise DatabaseSetupError(
-                f"GUARD_RECORDS_KEY_COLUMN: table {spec.table!r} has no column {spec.key_column!r}"
-            )
-        missing = [c for c in spec.columns if c not in types]
-        if missing:
-            raise DatabaseSetupError(
-                f"GUARD_RECORDS_COLUMNS: table {spec.table!r} has no column {', '.join(missing)}"
-            )
-        if spec.own and "value" not in types:
-            raise DatabaseSetupError(f"table {spec.table!r} has no column value")
+        self._check_table(types)
         # Immediate: the order of same-key changes relies on a second writer of a key
         # waiting for the first one's commit; a deferred check lets both go on.
         unique = await conn.fetchval(
@@ -440,7 +413,6 @@ class PostgresDatabase:
         if spec.own:
             self._select = f"SELECT value FROM records WHERE {match}"
         else:
-            self.columns = spec.columns or tuple(types)
             cols = ", ".join(quote(c) for c in self.columns)
             self._select = (
                 f"SELECT row_to_json(r)::text FROM (SELECT {cols} FROM {self._t} WHERE {match}) r"
@@ -474,78 +446,58 @@ class PostgresDatabase:
 
     # ---- helpers -----------------------------------------------------------------------
 
-    async def _query(self) -> None:
-        """Count one statement and apply the artificial latency of a remote database."""
-        self.queries += 1
-        if self.latency:
-            await asyncio.sleep(self.latency)
-
     def _records(self) -> asyncpg.Pool:
-        if self._pool is None:
-            raise RuntimeError("database is not connected")
-        return self._pool
+        return self._connected(self._pool)
 
     def _feed(self) -> asyncpg.Pool:
-        if self._feed_pool is None:
-            raise RuntimeError("database is not connected")
-        return self._feed_pool
+        return self._connected(self._feed_pool)
 
     @property
     def _names(self) -> _Names:
-        if self._n is None:
-            raise RuntimeError("database is not connected")
-        return self._n
+        return self._connected(self._n)
 
-    def _key(self, key: str) -> str | int | None:
-        """The key as a parameter; None when no row can have it."""
-        if self.integer_keys:
-            return integer_key(key)
+    @property
+    def _key_rule(self) -> str:
+        return f"a {self.key_type} as the database prints it"
+
+    async def _printed_key(self, conn: asyncpg.Connection, key: Key) -> Key:
+        """A key of a type of its own (uuid, date, ...) only in its canonical spelling."""
+        if not self._key_sql.startswith("$1::text::"):
+            return key
+        try:
+            printed = await conn.fetchval(f"SELECT ({self._key_sql})::text", key)
+        except asyncpg.DataError:
+            printed = None
+        if printed != key:
+            raise self._key_refused()
         return key
-
-    async def _new_key(self, conn: asyncpg.Connection, key: str) -> str | int:
-        k = self._key(key)
-        if k is not None and self._key_sql.startswith("$1::text::"):
-            # A type of its own (uuid, date, ...): its canonical spelling, or no key.
-            try:
-                printed = await conn.fetchval(f"SELECT ({self._key_sql})::text", key)
-            except asyncpg.DataError:
-                printed = None
-            k = key if printed == key else None
-        if k is None:
-            raise RecordInputError(
-                ("path", "key"), f"must be a {self.key_type} as the database prints it"
-            )
-        return k
 
     # ---- records -----------------------------------------------------------------------
 
-    async def get(self, key: str) -> str | None:
-        k = self._key(key)
-        if k is None:
-            return None
+    async def _read(self, key: Key) -> str | None:
         await self._query()
         try:
-            raw = await self._records().fetchval(self._select, k)
+            raw = await self._records().fetchval(self._select, key)
         except asyncpg.DataError:  # not a value of the key's type: no such row
             return None
         return None if raw is None else str(raw)
 
-    def _write_sql(self, value: str) -> tuple[str | None, str, list[Any]]:
+    def _write_sql(
+        self, value: str, record: dict[str, Any] | None
+    ) -> tuple[str | None, str, list[Any]]:
         """(UPDATE or None when there is nothing to set, INSERT ... RETURNING 1, parameters
         after the key) for a put."""
         t, k, key_sql = self._t, self._k, self._key_sql
-        if self.spec.own:
+        if record is None:
             return (
                 f"UPDATE records SET value = $2 WHERE key = {key_sql}",
                 f"INSERT INTO records (key, value) VALUES ({key_sql}, $2) "
                 "ON CONFLICT (key) DO NOTHING RETURNING 1",
                 [value],
             )
-        writable = tuple(c for c in self.columns if c != self.spec.key_column)
-        obj = record_object(value, writable, self.spec.key_column)
         # json_populate_record converts each value to its column's type, as INSERT would.
         src = f"json_populate_record(NULL::{t}, $2::json) AS r"
-        names = [quote(c) for c in obj]
+        names = [quote(c) for c in record]
         update = None
         if names:
             sets = ", ".join(f"{n} = r.{n}" for n in names)
@@ -555,46 +507,44 @@ class PostgresDatabase:
             f"SELECT {', '.join([key_sql, *(f'r.{n}' for n in names)])} FROM {src} "
             f"ON CONFLICT ({k}) DO NOTHING RETURNING 1"
         )
-        return update, insert, [json.dumps(obj)]
+        return update, insert, [json.dumps(record)]
 
-    async def put(self, key: str, value: str) -> Stored:
-        update, insert, params = self._write_sql(value)
+    @asynccontextmanager
+    async def _row_write(
+        self, key: Key, value: str, record: dict[str, Any] | None
+    ) -> AsyncIterator[RowWrite]:
+        update, insert, params = self._write_sql(value, record)
         exists = f"SELECT 1 FROM {self._t} WHERE {self._k} = {self._key_sql}"
         async with self._records().acquire() as conn, conn.transaction():
-            k = await self._new_key(conn, key)
-            created = False
+            key = await self._printed_key(conn, key)
+
+            async def updated() -> bool:
+                await self._query()
+                if update is None:
+                    return await conn.fetchval(exists, key) is not None
+                return await conn.execute(update, key, *params) != "UPDATE 0"
+
+            async def inserted() -> bool:
+                await self._query()
+                return await conn.fetchval(insert, key, *params) is not None
+
+            async def stored() -> str:
+                await self._query()
+                return str(await conn.fetchval(self._select, key))
+
             try:
-                # A row another transaction inserts between the two statements makes the
-                # INSERT do nothing: then it is a replace, so try the UPDATE again.
-                for _ in range(10):
-                    await self._query()
-                    if update is not None:
-                        done = await conn.execute(update, k, *params) != "UPDATE 0"
-                    else:
-                        done = await conn.fetchval(exists, k) is not None
-                    if done:
-                        break
-                    await self._query()
-                    if await conn.fetchval(insert, k, *params) is not None:
-                        created = True
-                        break
-                else:
-                    raise RuntimeError(f"row {key!r} kept appearing and disappearing")
+                yield RowWrite(updated, inserted, stored)
             except (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError) as exc:
                 column = getattr(exc, "column_name", None)
                 loc = ("body", "value", column) if column else ("body", "value")
                 raise RecordInputError(loc, exc.args[0] if exc.args else str(exc)) from exc
-            await self._query()
-            stored = await conn.fetchval(self._select, k)
-        return Stored(created, str(stored))
 
-    async def delete(self, key: str) -> bool:
-        k = self._key(key)
-        if k is None:
-            return False
+    async def _delete(self, key: Key) -> bool:
         await self._query()
         try:
-            status = await self._records().execute(f"DELETE FROM {self._t} WHERE {self._match}", k)
+            status = await self._records().execute(
+                f"DELETE FROM {self._t} WHERE {self._match}", key
+            )
         except asyncpg.DataError:
             return False
         return status != "DELETE 0"
@@ -603,11 +553,7 @@ class PostgresDatabase:
         await self._query()
         return int(await self._records().fetchval(f"SELECT count(*) FROM {self._t}"))
 
-    async def seed(self, n: int) -> int:
-        """Fill the service's own empty table with `n` demo rows `user-1` … `user-n`; return
-        rows added. A table the service did not create is never seeded."""
-        if n <= 0 or not self.spec.own or await self.count():
-            return 0
+    async def _seed_rows(self, n: int) -> None:
         await self._query()
         await self._records().execute(
             "INSERT INTO records (key, value) "
@@ -615,7 +561,6 @@ class PostgresDatabase:
             "ON CONFLICT (key) DO NOTHING",
             n,
         )
-        return n
 
     # ---- snapshots ---------------------------------------------------------------------
 
@@ -661,24 +606,22 @@ class PostgresDatabase:
             finally:
                 await tx.rollback()
 
-    async def present_at(self, keys: list[str]) -> tuple[int, list[str]]:
-        """Which of `keys` the table holds, read in one snapshot, and the position of the
-        newest change that snapshot contains."""
+    @asynccontextmanager
+    async def _snapshot(self) -> AsyncIterator[Holds]:
         async with self._feed().acquire() as snap:
             position, tx = await self._snapshot_tick(snap)
             try:
-                present = []
-                for key in keys:
-                    k = self._key(key)
-                    if k is None:
-                        continue
+
+                async def holds(key: Key) -> bool:
                     self.feed_queries += 1
                     with suppress(asyncpg.DataError):
-                        if await snap.fetchval(f"SELECT 1 FROM {self._t} WHERE {self._match}", k):
-                            present.append(key)
+                        sql = f"SELECT 1 FROM {self._t} WHERE {self._match}"
+                        return bool(await snap.fetchval(sql, key))
+                    return False
+
+                yield Holds(position, holds)
             finally:
                 await tx.rollback()
-        return position, present
 
     # ---- change feed -------------------------------------------------------------------
 
@@ -793,20 +736,6 @@ class PostgresDatabase:
             finally:
                 await self._feed_pool.release(cursor.conn)
 
-    async def wait_for_change(self, after: int, timeout: float) -> bool:
-        """True once a change after `after` is committed (and ticked), False after `timeout`
-        seconds. It asks for a tick every POLL_S: with nothing new, that is one index probe
-        that takes no lock and writes nothing."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            if await self.newest_change() > after:
-                return True
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            await asyncio.sleep(min(POLL_S, left))
-
     async def compact(self, upto: int) -> int:
         """Delete the events of every batch at or below `upto`, and the ticks before the one
         that ends them (it stays: the base of the next batch), in one transaction; the number
@@ -831,11 +760,9 @@ class PostgresDatabase:
             await conn.execute(f"DELETE FROM {n.ticks} WHERE tick < $1", cut["tick"])
         return int(deleted)
 
-    async def sample_keys(self, n: int) -> list[str]:
+    async def _sample_keys(self, n: int) -> list[str]:
         """Random keys: a small table is read whole; a big one samples pages (TABLESAMPLE
         SYSTEM), so an audit costs about what it returns."""
-        if n <= 0:
-            return []
         pages, tuples = await self._feed().fetchrow(
             "SELECT pg_relation_size(to_regclass($1)) / current_setting('block_size')::int, "
             "reltuples FROM pg_class WHERE oid = to_regclass($1)",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import secrets
 import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,28 +13,18 @@ from typing import Any
 
 import aiosqlite
 
-from app.db.base import (
-    MAX_SOURCE,
-    SQLITE_PREFIX,
-    DatabaseSetupError,
-    RecordInputError,
-    SnapshotHook,
-    Stored,
-    TableSpec,
-    integer_key,
-    quote,
-    record_object,
-)
+from app.db.base import RecordInputError, SnapshotHook, TableSpec, new_feed_source, quote
+from app.db.common import BaseDatabase, Holds, Key, RowWrite
 from guard.changes import Change
 
-POLL_S = 0.015  # wait_for_change: SQLite has no notifications, so a cheap poll
+PREFIX = "sqlite:///"  # what its URLs start with (registered in app/db/__init__.py)
 
 
 def sqlite_path(url: str) -> str:
     """`sqlite:///rel/path`, `sqlite:////abs/path` or `sqlite:///:memory:` → a path for sqlite3."""
-    if not url.startswith(SQLITE_PREFIX):
-        raise ValueError(f"GUARD_DATABASE_URL must start with {SQLITE_PREFIX!r} (got {url!r})")
-    return url[len(SQLITE_PREFIX) :] or ":memory:"
+    if not url.startswith(PREFIX):
+        raise ValueError(f"GUARD_DATABASE_URL must start with {PREFIX!r} (got {url!r})")
+    return url[len(PREFIX) :] or ":memory:"
 
 
 @asynccontextmanager
@@ -90,7 +79,7 @@ def _sql_value(v: Any) -> Any:
     return json.dumps(v, separators=(",", ":")) if isinstance(v, dict | list) else v
 
 
-class SQLiteDatabase:
+class SQLiteDatabase(BaseDatabase):
     """SQLite in WAL mode: a writer connection, a reader, one for snapshots, one for the change
     feed.
 
@@ -99,25 +88,19 @@ class SQLiteDatabase:
     """
 
     BUSY_TIMEOUT_MS = 10_000
+    POLL_S = 0.015  # SQLite has no notifications, so a cheap poll
 
-    def __init__(self, path: str, latency_ms: float = 0.0, table: TableSpec | None = None) -> None:
-        self.path = path
-        self.latency = latency_ms / 1000
-        self.spec = table or TableSpec()
-        self.queries = 0
-        self.feed_queries = 0
-        self.integer_keys = False
-        self.columns: tuple[str, ...] = ()
+    def __init__(self, url: str, latency_ms: float = 0.0, table: TableSpec | None = None) -> None:
+        super().__init__(url, latency_ms, table)
+        self.path = sqlite_path(url)
         self._write_lock = asyncio.Lock()
         self._admin_lock = asyncio.Lock()
         self._writer: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
         self._admin: aiosqlite.Connection | None = None
         self._feed: aiosqlite.Connection | None = None
-        t, k = quote(self.spec.table), quote(self.spec.key_column)
-        self._t, self._k = t, k
         self._feed_t, self._changes_t = quote(self.spec.feed), quote(self.spec.changes)
-        self._select = f"SELECT value FROM {t} WHERE {k} = ?"
+        self._select = f"SELECT value FROM {self._t} WHERE {self._k} = ?"
 
     @property
     def _memory(self) -> bool:
@@ -139,7 +122,7 @@ class SQLiteDatabase:
             await conn.execute(
                 f"INSERT INTO {self._feed_t} (source, last_id) SELECT ?, 0 "
                 f"WHERE NOT EXISTS (SELECT 1 FROM {self._feed_t})",
-                (secrets.randbelow(MAX_SOURCE) + 1,),
+                (new_feed_source(),),
             )
         # An in-memory database exists per connection, so it gets only the one.
         self._reader = self._writer if self._memory else await self._open()
@@ -147,20 +130,12 @@ class SQLiteDatabase:
         self._feed = self._writer if self._memory else await self._open()
 
     async def _describe_table(self, conn: aiosqlite.Connection) -> None:
-        spec = self.spec
         info = list(await conn.execute_fetchall(f"PRAGMA table_info({self._t})"))
         types = {str(row[1]): str(row[2]).upper() for row in info}
-        if not types:
-            raise DatabaseSetupError(f"GUARD_RECORDS_TABLE: no table {spec.table!r}")
-        missing = [c for c in (spec.key_column, *spec.columns) if c not in types]
-        if spec.own and "value" not in types:
-            missing.append("value")
-        if missing:
-            raise DatabaseSetupError(f"table {spec.table!r} has no column {', '.join(missing)}")
+        self._check_table(types)
         # SQLite's affinity rule: a declared type containing INT is an integer column.
-        self.integer_keys = "INT" in types[spec.key_column]
-        if not spec.own:
-            self.columns = spec.columns or tuple(types)
+        self.integer_keys = "INT" in types[self.spec.key_column]
+        if not self.spec.own:
             pairs = ", ".join(f"'{c}', {quote(c)}" for c in self.columns)
             self._select = f"SELECT json_object({pairs}) FROM {self._t} WHERE {self._k} = ?"
 
@@ -176,118 +151,93 @@ class SQLiteDatabase:
             await conn.close()
         self._writer = self._reader = self._admin = self._feed = None
 
-    async def _query(self) -> None:
-        """Count one statement and apply the artificial latency of a remote database."""
-        self.queries += 1
-        if self.latency:
-            await asyncio.sleep(self.latency)
-
-    @staticmethod
-    def _conn(conn: aiosqlite.Connection | None) -> aiosqlite.Connection:
-        if conn is None:
-            raise RuntimeError("database is not connected")
-        return conn
-
-    def _key(self, key: str) -> str | int | None:
-        """The key as the key column holds it; None when no row can have it."""
-        return integer_key(key) if self.integer_keys else key
-
-    def _new_key(self, key: str) -> str | int:
-        k = self._key(key)
-        if k is None:
-            raise RecordInputError(
-                ("path", "key"), "must be an integer (the key column holds integers)"
-            )
-        return k
+    _key_rule = "an integer (the key column holds integers)"
 
     # ---- records -----------------------------------------------------------------------
 
-    async def get(self, key: str) -> str | None:
-        k = self._key(key)
-        if k is None:
-            return None
+    async def _read(self, key: Key) -> str | None:
         await self._query()
         # One call on the connection's thread: a statement left open between execute and
         # close would let the next reader's statement join its read transaction, and under
         # load an unbroken chain of them kept reading a snapshot from before acknowledged
         # writes (WAL: a read sees the commits made before its transaction began).
-        rows = list(await self._conn(self._reader).execute_fetchall(self._select, (k,)))
+        rows = list(await self._connected(self._reader).execute_fetchall(self._select, (key,)))
         return str(rows[0][0]) if rows else None
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
-        conn = self._conn(self._writer)
+        conn = self._connected(self._writer)
         async with self._write_lock, _immediate(conn):
             yield conn
 
-    async def put(self, key: str, value: str) -> Stored:
-        k = self._new_key(key)
-        if self.spec.own:
+    @asynccontextmanager
+    async def _row_write(
+        self, key: Key, value: str, record: dict[str, Any] | None
+    ) -> AsyncIterator[RowWrite]:
+        # One writer at a time: the INSERT after a failed UPDATE always inserts.
+        if record is None:
             sets, params = "value = ?", [value]
             cols, values = ["value"], [value]
         else:
-            writable = tuple(c for c in self.columns if c != self.spec.key_column)
-            obj = record_object(value, writable, self.spec.key_column)
-            sets = ", ".join(f"{quote(c)} = ?" for c in obj)
-            params = [_sql_value(v) for v in obj.values()]
-            cols, values = list(obj), params
+            sets = ", ".join(f"{quote(c)} = ?" for c in record)
+            params = [_sql_value(v) for v in record.values()]
+            cols, values = list(record), params
+        names = ", ".join(quote(c) for c in (self.spec.key_column, *cols))
+        marks = ", ".join("?" * (1 + len(cols)))
         async with self._transaction() as conn:
-            await self._query()
-            if sets:
-                cur = await conn.execute(f"UPDATE {self._t} SET {sets} WHERE {self._k} = ?",
-                                         (*params, k))  # fmt: skip
-                exists = cur.rowcount > 0
-            else:
-                exists = bool(list(await conn.execute_fetchall(
-                    f"SELECT 1 FROM {self._t} WHERE {self._k} = ?", (k,))))  # fmt: skip
-            if not exists:
+
+            async def update() -> bool:
                 await self._query()
-                names = ", ".join(quote(c) for c in (self.spec.key_column, *cols))
-                marks = ", ".join("?" * (1 + len(cols)))
+                if sets:
+                    cur = await conn.execute(f"UPDATE {self._t} SET {sets} WHERE {self._k} = ?",
+                                             (*params, key))  # fmt: skip
+                    return cur.rowcount > 0
+                return bool(list(await conn.execute_fetchall(
+                    f"SELECT 1 FROM {self._t} WHERE {self._k} = ?", (key,))))  # fmt: skip
+
+            async def insert() -> bool:
+                await self._query()
                 try:
                     await conn.execute(
-                        f"INSERT INTO {self._t} ({names}) VALUES ({marks})", (k, *values)
+                        f"INSERT INTO {self._t} ({names}) VALUES ({marks})", (key, *values)
                     )
                 except sqlite3.IntegrityError as exc:  # NOT NULL, CHECK, a foreign key
                     raise RecordInputError(("body", "value"), str(exc)) from exc
-            await self._query()
-            stored = list(await conn.execute_fetchall(self._select, (k,)))
-        return Stored(not exists, str(stored[0][0]))
+                return True
 
-    async def delete(self, key: str) -> bool:
-        k = self._key(key)
-        if k is None:
-            return False
+            async def stored() -> str:
+                await self._query()
+                rows = list(await conn.execute_fetchall(self._select, (key,)))
+                return str(rows[0][0])
+
+            yield RowWrite(update, insert, stored)
+
+    async def _delete(self, key: Key) -> bool:
         async with self._transaction() as conn:
             await self._query()
-            cur = await conn.execute(f"DELETE FROM {self._t} WHERE {self._k} = ?", (k,))
+            cur = await conn.execute(f"DELETE FROM {self._t} WHERE {self._k} = ?", (key,))
             return bool(cur.rowcount)
 
     async def count(self) -> int:
         await self._query()
         rows = list(
-            await self._conn(self._reader).execute_fetchall(f"SELECT COUNT(*) FROM {self._t}")
+            await self._connected(self._reader).execute_fetchall(f"SELECT COUNT(*) FROM {self._t}")
         )
         return int(rows[0][0]) if rows else 0
 
-    async def seed(self, n: int) -> int:
-        """Fill the service's own empty table with `n` demo rows `user-1` … `user-n`; return
-        rows added. A table the service did not create is never seeded."""
-        if n <= 0 or not self.spec.own or await self.count():
-            return 0
+    async def _seed_rows(self, n: int) -> None:
         async with self._transaction() as conn:
             await self._query()
             await conn.executemany(
                 "INSERT OR IGNORE INTO records (key, value) VALUES (?, ?)",
                 ((f"user-{i}", f'"value-{i}"') for i in range(1, n + 1)),
             )
-        return n
 
     # ---- snapshots ---------------------------------------------------------------------
 
     @asynccontextmanager
     async def _admin_transaction(self) -> AsyncIterator[aiosqlite.Connection]:
-        conn = self._conn(self._admin)
+        conn = self._connected(self._admin)
         # The writer's lock first: asyncio locks are FIFO, so this process's writers queue
         # behind us instead of starving us (SQLite's busy handler only polls). Other
         # processes are held off by SQLite's lock itself.
@@ -297,7 +247,7 @@ class SQLiteDatabase:
     async def iter_keys(
         self, batch_size: int, at_snapshot: SnapshotHook | None = None
     ) -> AsyncIterator[list[str]]:
-        conn = self._conn(self._admin)
+        conn = self._connected(self._admin)
         # Copy the keys under the write lock (fast, no Redis calls), then page through the
         # copy without it, so writers are held off only for the copy.
         async with self._admin_transaction():
@@ -328,28 +278,27 @@ class SQLiteDatabase:
         finally:
             await conn.execute("DROP TABLE IF EXISTS temp.snapshot_keys")
 
-    async def present_at(self, keys: list[str]) -> tuple[int, list[str]]:
+    @asynccontextmanager
+    async def _snapshot(self) -> AsyncIterator[Holds]:
         # One read transaction: in WAL mode it reads one snapshot, log counter included.
-        conn = self._conn(self._feed)
+        conn = self._connected(self._feed)
         await conn.execute("BEGIN")
         try:
             rows = await self._feed_rows(f"SELECT last_id FROM {self._feed_t}")
-            present = []
-            for key in keys:
-                k = self._key(key)
-                if k is not None and await self._feed_rows(
-                    f"SELECT 1 FROM {self._t} WHERE {self._k} = ?", (k,)
-                ):
-                    present.append(key)
+
+            async def holds(key: Key) -> bool:
+                sql = f"SELECT 1 FROM {self._t} WHERE {self._k} = ?"
+                return bool(await self._feed_rows(sql, (key,)))
+
+            yield Holds(int(rows[0][0]), holds)
         finally:
             await conn.rollback()
-        return int(rows[0][0]), present
 
     # ---- change feed -------------------------------------------------------------------
 
     async def _feed_rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
         self.feed_queries += 1
-        return list(await self._conn(self._feed).execute_fetchall(sql, params))
+        return list(await self._connected(self._feed).execute_fetchall(sql, params))
 
     async def feed_source(self) -> int:
         rows = await self._feed_rows(f"SELECT source FROM {self._feed_t}")
@@ -374,29 +323,16 @@ class SQLiteDatabase:
         )
         return [Change(int(r[0]), r[1] == "i", str(r[2])) for r in rows]
 
-    async def wait_for_change(self, after: int, timeout: float) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            if await self.newest_change() > after:
-                return True
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            await asyncio.sleep(min(POLL_S, left))
-
     async def compact(self, upto: int) -> int:
         async with self._transaction() as conn:
             self.feed_queries += 1
             cur = await conn.execute(f"DELETE FROM {self._changes_t} WHERE id <= ?", (upto,))
             return max(0, cur.rowcount)
 
-    async def sample_keys(self, n: int) -> list[str]:
+    async def _sample_keys(self, n: int) -> list[str]:
         """Random rowids, each the first row at or after it: n index lookups, whatever the
         table's size (ORDER BY random() would read the whole table)."""
-        if n <= 0:
-            return []
-        conn = self._conn(self._feed)
+        conn = self._connected(self._feed)
         self.feed_queries += 1
         try:
             bounds = list(

@@ -14,7 +14,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from app.db import Database, TableSpec, open_database
+from app.db import Database, TableSpec, open_database, sqlite_path
 from devkit.postgres import temporary_database
 
 OpenDb = Callable[..., Awaitable[Database]]
@@ -57,29 +57,35 @@ async def open_db(db_url: str) -> AsyncIterator[OpenDb]:
         await db.close()
 
 
-def _statement_runner(db_url: str, *, commit: bool) -> Other:
-    """`run(sql)`: the statement on a connection of its own, as the user's application would
-    run it: committed, or in a transaction that then rolls back."""
+def _runs_sql(db_url: str, commit: bool) -> Other:
+    """`run(sql)`: the statement on a connection of its own, committed (autocommitted on
+    PostgreSQL) or rolled back."""
     if not db_url.startswith("sqlite:"):
 
         async def run_pg(sql: str) -> None:
             conn = await asyncpg.connect(db_url)
             try:
+                if commit:
+                    await conn.execute(sql)
+                    return
                 tx = conn.transaction()
                 await tx.start()
                 await conn.execute(sql)
-                await (tx.commit() if commit else tx.rollback())
+                await tx.rollback()
             finally:
                 await conn.close()
 
         return run_pg
-    path = db_url.removeprefix("sqlite:///")
+    path = sqlite_path(db_url)
 
     def run(sql: str) -> None:
         conn = sqlite3.connect(path, timeout=10)
         try:
             conn.execute(sql)
-            conn.commit() if commit else conn.rollback()
+            if commit:
+                conn.commit()
+            else:
+                conn.rollback()
         finally:
             conn.close()
 
@@ -91,10 +97,11 @@ def _statement_runner(db_url: str, *, commit: bool) -> Other:
 
 @pytest.fixture
 def other(db_url: str) -> Other:
-    return _statement_runner(db_url, commit=True)
+    return _runs_sql(db_url, commit=True)
 
 
 @pytest.fixture
 def rolled_back(db_url: str) -> Other:
-    """`rolled_back(sql)`: as a failed transaction of the user's application: rolled back."""
-    return _statement_runner(db_url, commit=False)
+    """`rolled_back(sql)`: the statement run in a transaction of its own connection, which
+    then rolls back, as a failed transaction of the user's application would."""
+    return _runs_sql(db_url, commit=False)
