@@ -156,7 +156,7 @@ async def get_writable_filter(cf: FilterDep, request: Request) -> CuckooFilter:
     store = tables.of_filter(cf.name)
     if store is not None:
         raise Conflict(
-            f"filter {cf.name!r} follows the table {store.settings.records_table}: change its "
+            f"filter {cf.name!r} follows the {store.settings.records_table} table: change its "
             "rows, or rebuild it"
         )
     return cf

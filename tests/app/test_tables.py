@@ -90,7 +90,7 @@ class TestTables:
         c = svc.client
         for name in ("users", "orders"):
             r = await c.put(f"/filters/{name}/items/x", headers=AUTH)
-            assert r.status_code == 409 and "follows the table" in r.json()["detail"]
+            assert r.status_code == 409 and f"follows the {name} table" in r.json()["detail"]
         r = await c.post("/filters/orders/rebuild", headers=AUTH)
         assert r.status_code == 200 and r.json()["items"] == 2
         r = await c.post("/filters/sessions/rebuild", headers=AUTH)
