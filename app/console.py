@@ -1,5 +1,5 @@
-"""The `guard` console script. pip installs it with the library alone too, which has no
-command line: there it says in one line which extra to install instead of an ImportError."""
+"""The `guard` console script. A library-only install has it too, with no command line behind
+it: there it says in one line which extra to install instead of an ImportError."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ OWN_PACKAGES = {"app", "guard"}
 
 def missing_extra(module: str) -> str:
     return (
-        f"guard: the command line needs the server extra ({module} is not installed): "
-        "pip install 'cuckoo-guard[server]', or 'cuckoo-guard[server,embedded]' for the "
+        f"error: the command line needs cuckoo-guard's 'server' extra ({module} is not "
+        "installed): pip install '/path/to/cuckoo-guard[server]' from a checkout, or the "
+        "wheel uv build makes with [server] after its name; [server,embedded] adds the "
         "embedded Redis"
     )
 
@@ -24,5 +25,5 @@ def main() -> None:
         if not module or module in OWN_PACKAGES:
             raise  # a broken install, not a missing extra: keep the traceback
         print(missing_extra(module), file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(1) from None
     run()

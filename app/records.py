@@ -261,9 +261,7 @@ class Tables:
                     log.info("seeded %d demo records into %s", seeded, view.records_table)
                 stores.append(
                     await stack.enter_async_context(
-                        RecordStore.running(
-                            clients.main, db, view, metrics, breaker, clients.admin
-                        )
+                        RecordStore.running(clients.main, db, view, metrics, breaker, clients.admin)
                     )
                 )
             yield cls(stores)

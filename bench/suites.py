@@ -37,6 +37,7 @@ from bench import (
     perf_report,
     reliability,
     repair,
+    startup,
 )
 from bench.suite import Measured, Section, Suite, open_target, single_section
 from devkit import churn
@@ -362,6 +363,17 @@ SUITES: dict[str, Entry] = {
             gateway.report,
         ),
         report="docs/bench-gateway.md",
+    ),
+    "startup": Entry(
+        "start-up time of guard commands, and `guard load --create` of 1M keys end to end",
+        lambda a: single_section(
+            "startup",
+            "Start-up time of the guard command",
+            a.redis_url,
+            lambda t: startup.measure(t, quick=a.quick),
+            startup.report,
+        ),
+        report="docs/bench-startup.md",
     ),
     "reliability": Entry(
         "worker processes churn one filter near full; checks for false negatives",

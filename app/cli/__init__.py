@@ -1,9 +1,9 @@
-"""The `guard` command line: filters (create/info/list/drop/load/export/import), the service
-(serve/demo/attack) and the change feed (follow). `main` is the console-script entry point."""
+"""The `guard` command line: filters (create/info/list/check/drop/load/export/import), the
+service (serve/where/demo/attack) and the change feed (follow). `main` is the console-script
+entry point. A command's module is imported when the command runs (app/cli/common.py)."""
 
 from __future__ import annotations
 
-from app.cli import feed, filters, rules, service  # noqa: F401  (they register their commands on `cli`)
 from app.cli.common import cli
 
 

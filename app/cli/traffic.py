@@ -14,27 +14,61 @@ from typing import Any
 import httpx
 from rich.table import Table
 
+from guard.middleware import BLOCKED, BYPASSED, PASSED
+
+# The X-Guard answers counted apart (a guard failing closed answers "rejected": other).
+DECISIONS = (BLOCKED, PASSED, BYPASSED)
+
 
 @dataclass
 class Tally:
-    """What the client saw; the server's own counters come from GET /stats."""
+    """What the client saw; the server's own counters come from GET /stats. Every request
+    sent is counted once: answered (blocked, passed, bypassed or other) or an error."""
 
     started: float = field(default_factory=time.monotonic)
-    requests: int = 0
+    answered: int = 0
+    errors: int = 0  # no answer: connection refused or dropped, timed out
+    last_error: str = ""
     legit: int = 0
     attack: int = 0
     found: int = 0  # legit reads answered 200
     blocked: int = 0  # X-Guard: blocked
     passed: int = 0  # X-Guard: passed
+    bypassed: int = 0  # X-Guard: bypassed (the guard could not be sure: it did not block)
+    other: int = 0  # answered without one of those (a 503 of a guard failing closed, ...)
     attack_passed: int = 0  # random keys the filter let through: false positives
-    errors: int = 0
     statuses: dict[int, int] = field(default_factory=dict)
     finished: float | None = None
+
+    @property
+    def requests(self) -> int:
+        """Every request sent: blocked + passed + bypassed + other + errors."""
+        return self.answered + self.errors
 
     @property
     def elapsed(self) -> float:
         end = self.finished if self.finished is not None else time.monotonic()
         return max(1e-9, end - self.started)
+
+    def count(self, decision: str) -> None:
+        self.answered += 1
+        name = decision if decision in DECISIONS else "other"
+        setattr(self, name, getattr(self, name) + 1)
+
+    def fail(self, exc: Exception) -> None:
+        self.errors += 1
+        self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+    def breakdown(self) -> str:
+        """``N requests: B blocked, P passed, Y bypassed, E errors`` (other answers too, if
+        any): the parts always add up to N."""
+        parts = [f"{getattr(self, name):,} {name}" for name in DECISIONS]
+        if self.other:
+            parts.append(f"{self.other:,} other answers")
+        parts.append(f"{self.errors:,} errors")
+        if self.errors:
+            parts[-1] += f" (last: {self.last_error})"
+        return f"{self.requests:,} requests: {', '.join(parts)}"
 
 
 @dataclass
@@ -90,23 +124,19 @@ async def run(
             key = f"user-{rng.randint(1, records)}" if legit else f"ghost-{secrets.token_hex(8)}"
             try:
                 r = await client.get(f"/records/{key}")
-            except httpx.HTTPError:
-                tally.errors += 1
+            except httpx.HTTPError as exc:
+                tally.fail(exc)
                 await asyncio.sleep(0.05)
                 continue
-            tally.requests += 1
             tally.statuses[r.status_code] = tally.statuses.get(r.status_code, 0) + 1
             decision = r.headers.get("x-guard", "")
-            if decision == "blocked":
-                tally.blocked += 1
-            elif decision == "passed":
-                tally.passed += 1
+            tally.count(decision)
             if legit:
                 tally.legit += 1
                 tally.found += r.status_code == 200
             else:
                 tally.attack += 1
-                tally.attack_passed += decision == "passed"
+                tally.attack_passed += decision == PASSED
 
     workers = [asyncio.create_task(worker(i * interval / concurrency)) for i in range(concurrency)]
     try:
@@ -126,9 +156,7 @@ async def run(
 def progress_line(tally: Tally, snap: Snapshot) -> str:
     """One line for a log: this run's own answers, then the server's totals (which count
     every client since the service started), each labelled as such."""
-    line = (
-        f"this run: {tally.requests:,} requests, {tally.blocked:,} blocked, {tally.passed:,} passed"
-    )
+    line = f"this run: {tally.breakdown()}"
     s = snap.stats
     if s is not None:
         line += (
@@ -139,8 +167,8 @@ def progress_line(tally: Tally, snap: Snapshot) -> str:
 
 
 def table(tally: Tally, snap: Snapshot, db_latency_ms: float, title: str) -> Table:
-    """The live table: requests, blocked, passed, database queries and queries saved, and the
-    observed false-positive rate next to the filter's own estimate."""
+    """The live table: requests, blocked, passed, bypassed, database queries and queries
+    saved, and the observed false-positive rate next to the filter's own estimate."""
     t = Table(title=title, title_justify="left", min_width=64)
     t.add_column("", style="bold")
     t.add_column("value", justify="right")
@@ -153,6 +181,10 @@ def table(tally: Tally, snap: Snapshot, db_latency_ms: float, title: str) -> Tab
     t.add_row("  random keys (attack)", f"{tally.attack:,}", "")
     t.add_row("blocked by the filter", f"{tally.blocked:,}", "404, no DB query")
     t.add_row("passed to the app", f"{tally.passed:,}", "")
+    t.add_row("bypassed", f"{tally.bypassed:,}", "guard not sure: not blocked")
+    if tally.other:
+        t.add_row("other answers", f"{tally.other:,}", "no X-Guard decision")
+    t.add_row("errors", f"{tally.errors:,}", tally.last_error[:40] if tally.errors else "no answer")
     observed = tally.attack_passed / tally.attack if tally.attack else 0.0
     t.add_row(
         "false positives (observed)",
@@ -182,6 +214,4 @@ def table(tally: Tally, snap: Snapshot, db_latency_ms: float, title: str) -> Tab
         t.add_row(
             "filter load factor", f"{f.get('load_factor', 0.0):.3f}", f"{f.get('items', 0):,} items"
         )
-    if tally.errors:
-        t.add_row("transport errors", f"{tally.errors:,}", "")
     return t

@@ -117,6 +117,12 @@ async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
         await asyncio.sleep(0.02)
 
 
+async def caught_up(svc: Service) -> bool:
+    """The records filter has applied every change the database has logged (and the caches
+    have followed each: they are told before the filter applies it)."""
+    return await svc.records.filter.applied_change() == await svc.db.newest_change()
+
+
 @pytest.fixture
 async def start(make_settings: Callable[..., Settings]) -> AsyncIterator[StartService]:
     """`await start(**settings)` runs an app through its lifespan; stopped after the test."""

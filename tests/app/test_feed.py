@@ -19,7 +19,7 @@ from app.feed import FilterMissing, Follower, OtherSource, ReplayImpossible
 from devkit.processes import stop_process
 from guard import CuckooFilter
 from guard.changes import ApplyResult, Change
-from tests.app.conftest import AUTH, Service, StartService, until
+from tests.app.conftest import AUTH, Service, StartService, caught_up, until
 from tests.app.dbs import Other
 
 # Fingerprints wide enough that two keys colliding in a test is out of the question, so
@@ -46,10 +46,6 @@ async def assert_filter_is_table(svc: Service, gone: tuple[str, ...] = ()) -> No
     assert [await cf.count(k) for k in gone] == [0] * len(gone)
     assert (await cf.info()).items == len(keys)
     assert await cf.applied_change() == await svc.db.newest_change()
-
-
-async def caught_up(svc: Service) -> bool:
-    return await svc.records.filter.applied_change() == await svc.db.newest_change()
 
 
 def new_follower(svc: Service) -> Follower:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import redis
@@ -74,8 +75,10 @@ class TestFilters:
         assert_one_line_error(*guard("create", "users", "-c", "100")[::2], match="exists")
 
     def test_bad_parameter_fails_in_one_line(self, cli_env: dict[str, str]) -> None:
+        """The library's rule, naming the option as typed (--bucket-size, not bucket_size)."""
         assert_one_line_error(
-            *guard("create", "users", "-c", "100", "--bucket-size", "3")[::2], match="bucket_size"
+            *guard("create", "users", "-c", "100", "--bucket-size", "3")[::2],
+            match="--bucket-size must be one of (1, 2, 4, 8), got 3",
         )
 
     def test_drop_missing_fails(self, cli_env: dict[str, str]) -> None:
@@ -359,3 +362,53 @@ class TestLoadCreate:
         info = SyncCuckooFilter(cli_redis, "sized", cli_env["GUARD_KEY_PREFIX"]).info()
         assert info.capacity == 1000 * Settings().records_headroom
         assert info.load_factor < 0.5
+
+
+class TestLoadRefusesBadFiles:
+    """A file that is not what it claims fails the load in one line naming the file, the line
+    and what is wrong, before anything is loaded (into a new filter or an existing one)."""
+
+    CASES: ClassVar[dict[str, tuple[bytes, str]]] = {
+        "unterminated quote": (
+            b'id,email\n1,a@b\n2,"c@d\n3,e@f\n',
+            "{path}:3: a quoted field starts in this row and is never closed",
+        ),
+        "not UTF-8": (
+            b"id,email\n1,a@b\n2,\xffc@d\n3,e@f\n",
+            "{path}:3: not UTF-8 text (byte 0xff at position 3 of the line)",
+        ),
+        "short row": (
+            b"id,email\n1,a@b\n2\n3,e@f\n",
+            "{path}:3: the row has no column 'email' (1 field)",
+        ),
+    }
+
+    @pytest.mark.parametrize("case", CASES)
+    @pytest.mark.parametrize("existing", [False, True], ids=["create", "existing"])
+    def test_csv(
+        self,
+        case: str,
+        existing: bool,
+        cli_env: dict[str, str],
+        cli_redis: redis.Redis,
+        tmp_path: Path,
+    ) -> None:
+        data, message = self.CASES[case]
+        path = tmp_path / "users.csv"
+        path.write_bytes(data)
+        cf = SyncCuckooFilter(cli_redis, "users", cli_env["GUARD_KEY_PREFIX"])
+        if existing:
+            cf.reserve(100)
+        code, _, err = guard("load", "users", str(path), "--column", "email", "--create")
+        assert_one_line_error(code, err, message.format(path=path))
+        assert cf.exists() == existing and (not existing or cf.info().items == 0)
+
+    def test_text_file_not_utf8_names_the_line(
+        self, cli_env: dict[str, str], tmp_path: Path
+    ) -> None:
+        path = tmp_path / "items.txt"
+        path.write_bytes(b"".join(b"item-%d\n" % i for i in range(50_000)) + b"bad\xfe\n")
+        code, _, err = guard("load", "items", str(path), "--create")
+        assert_one_line_error(
+            code, err, f"{path}:50001: not UTF-8 text (byte 0xfe at position 4 of the line)"
+        )

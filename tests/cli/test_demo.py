@@ -35,6 +35,33 @@ def test_demo_runs_on_a_fresh_machine(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())  # its scratch data went to a temporary directory
 
 
+def numbers(pattern: str, text: str) -> list[int]:
+    found = re.search(pattern, text)
+    assert found, text
+    return [int(g.replace(",", "")) for g in found.groups()]
+
+
+def test_demo_summary_adds_up(tmp_path: Path) -> None:
+    """Every request is in one of its parts (bypassed and errors too), and the false
+    positives are counted where the database queries are: by the service, over the run."""
+    run = _demo("--records", "500", "--duration", "3", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr + run.stdout
+    summary = run.stdout.strip().splitlines()[-1]
+    total, blocked, passed, bypassed, errors = numbers(
+        r"^([\d,]+) requests: ([\d,]+) blocked, ([\d,]+) passed, ([\d,]+) bypassed, "
+        r"([\d,]+) errors",
+        summary,
+    )
+    assert blocked + passed + bypassed + errors == total > 0
+    spared, queries, fps, fps_again, judged = numbers(
+        r"the filter blocked ([\d,]+) reads .* it answered ([\d,]+) during the run, ([\d,]+) "
+        r"of them for false positives: .* \(([\d,]+) of ([\d,]+) absent keys\)",
+        summary,
+    )
+    assert spared == blocked and fps == fps_again and judged == blocked + fps
+    assert queries > 0 and fps <= queries
+
+
 def _demo(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
     return subprocess.run(
@@ -84,7 +111,8 @@ def test_attack_log_lines_tell_this_run_from_server_totals(tmp_path: Path) -> No
         )
     assert run.returncode == 0, run.stderr
     line = re.compile(
-        r"^this run: ([\d,]+) requests, ([\d,]+) blocked, [\d,]+ passed; "
+        r"^this run: ([\d,]+) requests: ([\d,]+) blocked, [\d,]+ passed, [\d,]+ bypassed, "
+        r"[\d,]+ errors; "
         r"server totals: ([\d,]+) blocked, [\d,]+ passed, [\d,]+ database queries$"
     )
     logged = [m for m in map(line.match, run.stdout.splitlines()) if m]
