@@ -6,10 +6,7 @@ plugs in as one `Entry` in SUITES, e.g.::
 
     "mutations": Entry(
         "cost of inserts and deletes, by load",
-        lambda a: single_section(
-            "mutations", "Mutations", a.redis_url,
-            lambda t: mutations.measure(t, quick=a.quick), mutations.report,
-        ),
+        module_suite("mutations", "Mutations", mutations),
         report="docs/bench-mutations.md",
     ),
 """
@@ -219,6 +216,16 @@ def reliability_suite(a: argparse.Namespace) -> Iterator[Suite]:
     )
 
 
+def module_suite(
+    name: str, title: str, module: Any
+) -> Callable[[argparse.Namespace], AbstractContextManager[Suite]]:
+    """A suite file whose ``measure(target, quick=)`` needs nothing but --quick, as a suite
+    of one section on --redis-url (or a private redis-server)."""
+    return lambda a: single_section(
+        name, title, a.redis_url, lambda t: module.measure(t, quick=a.quick), module.report
+    )
+
+
 def bulk_suite(a: argparse.Namespace) -> AbstractContextManager[Suite]:
     sizes = {**(bulk.QUICK if a.quick else bulk.FULL)}
     sizes.update({k: v for k, v in (("count", a.items), ("sample", a.sample)) if v})
@@ -319,13 +326,7 @@ SUITES: dict[str, Entry] = {
     ),
     "mutations": Entry(
         "cost of inserts and deletes against a minimal Lua floor, by load; the longest call",
-        lambda a: single_section(
-            "mutations",
-            "Mutations against the floor",
-            a.redis_url,
-            lambda t: mutations.measure(t, quick=a.quick),
-            mutations.report,
-        ),
+        module_suite("mutations", "Mutations against the floor", mutations),
         report="docs/bench-mutations.md",
     ),
     "feed": Entry(
@@ -355,24 +356,12 @@ SUITES: dict[str, Entry] = {
     ),
     "gateway": Entry(
         "the guard as nginx's auth_request hop: blocked rate, added latency, the route's rate",
-        lambda a: single_section(
-            "gateway",
-            "The guard behind nginx",
-            a.redis_url,
-            lambda t: gateway.measure(t, quick=a.quick),
-            gateway.report,
-        ),
+        module_suite("gateway", "The guard behind nginx", gateway),
         report="docs/bench-gateway.md",
     ),
     "startup": Entry(
         "start-up time of guard commands, and `guard load --create` of 1M keys end to end",
-        lambda a: single_section(
-            "startup",
-            "Start-up time of the guard command",
-            a.redis_url,
-            lambda t: startup.measure(t, quick=a.quick),
-            startup.report,
-        ),
+        module_suite("startup", "Start-up time of the guard command", startup),
         report="docs/bench-startup.md",
     ),
     "reliability": Entry(
