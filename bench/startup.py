@@ -6,8 +6,9 @@ imports and the set-up. Each command runs in a child process, interleaved with t
 with a bare `python -c pass`, 11 times (3 with --quick); the median is the figure (the machine
 is shared: its load average is in the environment table). Bytecode is cached as any installed
 command's is after its first run (in a folder of the run's own; one warm-up run first); the
-same commands are also timed with no bytecode cache at all (PYTHONDONTWRITEBYTECODE=1: every
-module compiled on every run), which is how a session with that variable set sees them.
+same commands are also timed with no bytecode cache at all (PYTHONDONTWRITEBYTECODE=1 and an
+empty cache folder: every module compiled on every run), which is how a session with that
+variable set sees a checkout no run has written bytecode for.
 `guard load --create` of a file of 1M keys is timed end to end the same way (3 runs after a
 warm-up), its rate counted over the whole process.
 
@@ -46,14 +47,15 @@ def _guard() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
 
 
-def _env(target: Any, pycache: str | None) -> dict[str, str]:
+def _env(target: Any, pycache: str, *, write: bool = True) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GUARD_", "PYTHON"))}
     env |= {"GUARD_REDIS_URL": target.url, "GUARD_KEY_PREFIX": target.prefix}
     env["PYTHONPATH"] = str(REPO)
-    if pycache is None:
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
-    else:
-        env["PYTHONPYCACHEPREFIX"] = pycache
+    # Bytecode is read from this folder only: never from the __pycache__ folders beside the
+    # sources, which any earlier run (or a test) may have written.
+    env["PYTHONPYCACHEPREFIX"] = pycache
+    if not write:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # the folder stays empty: every module compiled
     return env
 
 
@@ -91,11 +93,11 @@ def measure(target: Any, quick: bool) -> list[Row]:
     }
     rows = []
     with tempfile.TemporaryDirectory(prefix="guard-bench-startup-") as tmp:
-        for section, pycache in (
-            ("bytecode cached (as after a command's first run)", tmp),
-            ("no bytecode cache (PYTHONDONTWRITEBYTECODE=1)", None),
+        for section, pycache, write in (
+            ("bytecode cached (as after a command's first run)", tmp, True),
+            ("no bytecode cache (PYTHONDONTWRITEBYTECODE=1)", str(Path(tmp, "empty")), False),
         ):
-            figures = _medians(commands, _env(target, pycache), sizes["runs"])
+            figures = _medians(commands, _env(target, pycache, write=write), sizes["runs"])
             bare = figures["python -c pass"][0]  # the same run's: the machine's load cancels
             rows += [
                 Row(section, name, median, "s",
