@@ -22,6 +22,9 @@ cannot grow raises FilterFullError before anything is written, as the scripts wo
 guard/layout.py:buckets_for's margin). Promote refuses a staging copy that is not whole
 (upload_op) or, when the build creates the filter, a live filter made meanwhile; any failure
 leaves the live filter untouched and deletes the staging copy.
+
+numpy is imported by the functions that use it, when first called: the library's lookups import
+this module (a filter's handle can load), and one item's lookup never waits for numpy.
 """
 
 from __future__ import annotations
@@ -33,9 +36,7 @@ from contextlib import suppress
 from dataclasses import replace
 from functools import partial
 from itertools import chain, islice
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from guard import hashing
 from guard.errors import FilterExistsError, FilterFullError, InvalidParameterError
@@ -54,6 +55,9 @@ from guard.layout import (
 )
 from guard.ops import Call, Command, Op, Round, Work
 from guard.params import FilterParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 CHUNK_ITEMS = 1 << 16  # items hashed per step: the only Python objects held at once
 PACK_SLOTS = 1 << 20  # slots packed at once (a multiple of 8: every slice ends on a byte)
@@ -89,6 +93,8 @@ class Hashes:
             self.add(chunk)
 
     def add(self, chunk: list[Any]) -> None:
+        import numpy as np
+
         rows = hashing.item_hashes(chunk, self.seed, self.shards if self.shards > 1 else 0)
         self.count += len(chunk)
         parts: list[Any] = [slice(None)]
@@ -101,6 +107,8 @@ class Hashes:
 
     def take(self, shard: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """One shard's (h, g) arrays, handed over: the sink forgets them."""
+        import numpy as np
+
         h, g = [*self._h[shard], np.zeros(0, np.int64)], [*self._g[shard], np.zeros(0, np.uint32)]
         self._h[shard], self._g[shard] = [], []
         return np.concatenate(h), np.concatenate(g)
@@ -126,6 +134,8 @@ class _Table:
     Bucket and slot numbers (so i1 + i2) fit int32: a 512 MB string has under 2**30 slots."""
 
     def __init__(self, buckets: int, bucket_size: int, dtype: Any) -> None:
+        import numpy as np
+
         self.m, self.b, self.items = buckets, bucket_size, 0
         self.owner = np.full(buckets * bucket_size, -1, dtype=dtype)
         self.fill = np.zeros(buckets, dtype=np.int8)
@@ -139,6 +149,8 @@ class _Table:
     def claim(self, ids: np.ndarray, bucket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Put each item ``ids[k]`` in a free slot of ``bucket[k]``, a pass giving each bucket at
         most one; returns the items whose bucket is full, and their buckets."""
+        import numpy as np
+
         b, full_ids, full_buckets = self.b, [], []
         if not self.items:
             # Faster on an empty table: pass p's winners all take slot p (their buckets won
@@ -169,6 +181,8 @@ class _Table:
     ) -> np.ndarray:
         """Place the items ``ids`` (ascending; ``ids[k]``'s buckets are ``i1[k]``, ``i2[k]``):
         first choices, second choices, then kick rounds. Returns those left homeless."""
+        import numpy as np
+
         index: Callable[[np.ndarray], Any] = np.asarray  # where items are in ids
         if not (len(ids) and ids[-1] == len(ids) - 1):  # else 0..n-1: an item is its index
             index = partial(np.searchsorted, ids)
@@ -204,6 +218,8 @@ class _Table:
         """The table as sub-filter n's whole string: sub-filter 0's header as growth copies it
         (its first COMMON_BYTES; index n, its own item count), the slots packed a slice at a
         time (only a slice's fingerprints exist at once), the tag."""
+        import numpy as np
+
         out = bytearray(layout.string_bytes(n))
         shared = COMMON_BYTES if n else HEADER_BYTES
         out[:shared] = header0[:shared]
@@ -224,6 +240,8 @@ class _Placement:
     """One build's items (``h``, fixed ``g``), placed into sub-filters as insert.lua adds them."""
 
     def __init__(self, h: np.ndarray, g: np.ndarray, layout: Layout) -> None:
+        import numpy as np
+
         self.h, self.g, self.layout, self.tables = h, g, layout, list[_Table]()
         self.dtype = np.int32 if len(h) < 2**31 else np.int64  # of item numbers
         self._rng = np.random.default_rng([layout.seed, len(h)])  # a build is reproducible
@@ -232,6 +250,8 @@ class _Placement:
     def add_subfilter(self, ids: np.ndarray) -> np.ndarray:
         """Add the next sub-filter and place the items ``ids`` (ascending) in it, then search
         every sub-filter for the few a walk leaves. Returns those still homeless."""
+        import numpy as np
+
         m = self.layout.buckets(len(self.tables))
         table = _Table(m, self.layout.bucket_size, self.dtype)
         self.tables.append(table)
@@ -246,6 +266,8 @@ class _Placement:
         """Both buckets (int32) of the items ``ids`` in a sub-filter of m buckets, a slice at a
         time (small int64 temporaries); ``mix`` of each f0-bit prefix looked up in a table of all
         when no larger than the items: four modulos cost more than a look-up in cache."""
+        import numpy as np
+
         f0 = self.layout.fp_bits
         few = 1 << f0 <= max(1 << 16, len(ids))
         table = hashing.mix(np.arange(1 << f0, dtype=np.int64)) if few else None
@@ -300,6 +322,8 @@ def pack_slots(values: np.ndarray, fp_bits: int) -> bytes:
     """Slots as docs/format.md lays them out: ``fp_bits``-bit unsigned big-endian integers,
     bit-packed from the first bit (what ``BITFIELD GET u<f>`` reads), zero bits at the end;
     each group of slots that ends on a byte is shifted into 64-bit words, whole arrays at once."""
+    import numpy as np
+
     f = fp_bits
     if f in (8, 16, 32):
         return values.astype(f">u{f // 8}").tobytes()
@@ -346,6 +370,8 @@ def build(h: np.ndarray, g: np.ndarray, layout: Layout, header: bytes, *, name: 
     place) into a filter laid out as ``layout`` with sub-filter 0's ``header`` (both as
     reserve() makes them; it grows from there as the scripts would) and pack its strings.
     FilterFullError when the items do not fit a filter that may not grow further."""
+    import numpy as np
+
     for a in range(0, len(g), CHUNK_ITEMS):  # in place, a slice at a time: temporaries in cache
         g[a : a + CHUNK_ITEMS] = hashing.fix_g(g[a : a + CHUNK_ITEMS], layout.fp_bits)
     placement = _Placement(h, g, layout)

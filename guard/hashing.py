@@ -5,20 +5,23 @@ An item hashes (mmh3, 128 bits, seeded per filter) into two independent parts:
 whose width may differ per sub-filter. Both stay below 2**53 so Lua's doubles hold them exactly.
 
 Every function works on one item's values (ints) or on a batch's (int64 numpy arrays), the
-same code either way: ``hash_batch`` picks the form, by the batch's size.
+same code either way: ``hash_batch`` picks the form, by the batch's size. numpy is imported by
+the batch functions when first called: one item's lookup (`guard check`) never waits for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import repeat
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeAlias, TypeVar, cast
 
 import mmh3
-import numpy as np
 
-Ints = TypeVar("Ints", int, np.ndarray)
-Hashes = list[tuple[int, int]] | np.ndarray  # (h, g) per item: tuples, or an (n, 2) array
+if TYPE_CHECKING:
+    import numpy as np
+
+Ints = TypeVar("Ints", int, "np.ndarray")
+Hashes: TypeAlias = "list[tuple[int, int]] | np.ndarray"  # (h, g) per item: tuples, or (n, 2)
 
 # Batches of this many items or more are hashed (and their reads planned) with numpy; below,
 # numpy's fixed cost per call is more than the work (hashing and planning cost the same at
@@ -50,6 +53,8 @@ def item_hashes(items: Sequence[str | bytes], seed: int, shards: int = 0) -> np.
     with ``shards`` a third column, each item's ``shard_of`` (a bulk build splits by it). One C
     call per item gives the same hash as a little-endian digest (``h`` in its first word, ``g``
     and the shard bits in its second), masked as whole arrays: a third of ``item_hash``'s cost."""
+    import numpy as np
+
     digest = mmh3.mmh3_x64_128_digest
     try:
         data = b"".join(map(digest, items, repeat(seed)))
@@ -75,9 +80,9 @@ def hash_batch(items: Sequence[bytes], seed: int) -> Hashes:
 
 def flat(hashes: Hashes) -> list[int]:
     """``h1, g1, h2, g2, ...``: how the scripts take a batch's hashes."""
-    if isinstance(hashes, np.ndarray):
-        return hashes.ravel().tolist()  # type: ignore[no-any-return]
-    return [x for pair in hashes for x in pair]
+    if isinstance(hashes, list):  # tested as a list: an array's test would import numpy
+        return [x for pair in hashes for x in pair]
+    return hashes.ravel().tolist()  # type: ignore[no-any-return]
 
 
 def fix_g(g: Ints, f0: int) -> Ints:

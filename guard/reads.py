@@ -14,7 +14,8 @@ allows: the tag in one 64-bit word, a bucket in as few reads as hold whole slots
 times what a native module's CF.MEXISTS does.
 
 A plan takes the form its hashes come in (hashing.hash_batch): batches are planned and checked
-with numpy, where per-item Python would cost several times what Redis spends answering.
+with numpy, where per-item Python would cost several times what Redis spends answering. numpy
+is imported by a batch's plan: a lookup of a few items never waits for it.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from mmh3 import hash128
 
 from guard import hashing
 from guard.layout import HEADER_BYTES, TAG_BYTES, Layout
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_GETS = 2000
 _U64 = 1 << 64
@@ -155,19 +158,21 @@ class ReadPlan:
 
     def __init__(self, layout: Layout, hashes: hashing.Hashes, key: Callable[[int], str]) -> None:
         self.count = len(hashes)
-        self.vector = isinstance(hashes, np.ndarray)  # (n, 2) int64: planned with numpy
+        self.vector = not isinstance(hashes, list)  # (n, 2) int64: planned with numpy
         self.subfilters = _per_subfilter(layout)
         self.commands: list[_Command] = []
         self._fps: list[np.ndarray] = []  # vector plans: fingerprints per sub-filter
         b, f0, base = layout.bucket_size, layout.fp_bits, HEADER_BYTES * 8
         h: Any  # h, fixed g, and the mix giving the alternate bucket in every sub-filter
         g: Any
-        if isinstance(hashes, np.ndarray):  # whole arrays (every value stays below 2**53)
-            h, g = hashes[:, 0], hashing.fix_g(hashes[:, 1], f0)
-            mixed = hashing.mix(hashing.fingerprint(g, f0))
-        else:
+        if isinstance(hashes, list):
             h, g = [x for x, _ in hashes], [hashing.fix_g(x, f0) for _, x in hashes]
             mixed = [hashing.mix(hashing.fingerprint(x, f0)) for x in g]
+        else:  # whole arrays (every value stays below 2**53)
+            import numpy as np
+
+            h, g = hashes[:, 0], hashing.fix_g(hashes[:, 1], f0)
+            mixed = hashing.mix(hashing.fingerprint(g, f0))
         for n, sub in enumerate(self.subfilters):
             m, f = sub.buckets, sub.fp_bits
             starts = [start for _, _, start in sub._reads]  # each read's bit in a bucket
@@ -206,6 +211,8 @@ class ReadPlan:
         if self.vector:
             # A read holds fp iff some slot of (read XOR fp in every slot) is zero; the classic
             # zero-lane test, (x - lo) & ~x & hi != 0, answers that exactly for all slots at once.
+            import numpy as np
+
             hits = np.zeros(self.count, dtype=bool)
             for cmd, reply in zip(self.commands, replies, strict=True):
                 sub = self.subfilters[cmd.subfilter]

@@ -24,7 +24,7 @@ def test_quick_run_writes_the_report(tmp_path: Path) -> None:
     assert figures == [
         "python -c pass",
         "python -c 'import guard'",
-        "python -c 'import typer, redis, numpy'",
+        "python -c 'import typer, redis'",
         "guard --help",
         "guard check NAME ITEM",
     ]

@@ -96,6 +96,28 @@ class TestLazyCommands:
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert run.returncode == 0 and json.loads(run.stderr) == [], run.stderr
 
+    def test_check_of_one_item_imports_no_numpy_nor_pydantic(
+        self, cli_env: dict[str, str], cli_redis: redis.Redis
+    ) -> None:
+        """`guard check NAME ITEM` hashes one item with mmh3 and reads its settings plainly
+        (app/env.py): numpy is for batches, pydantic for the service. redis-py 8.1 imports its
+        asyncio client whatever part of it is imported (redis/__init__.py, redis.commands.core),
+        so that one cannot be left out here."""
+        made = SyncCuckooFilter(cli_redis, "lazy", cli_env["GUARD_KEY_PREFIX"])
+        made.reserve(1000)
+        made.insert("user-1")
+        code = (
+            "import json, sys\nfrom app.cli import cli\n"
+            "try:\n    cli(['check', 'lazy', 'user-1', 'user-2'], prog_name='guard')\n"
+            "except SystemExit as exit:\n    status = exit.code\n"
+            "heavy = ['numpy', 'pydantic', 'pydantic_settings', 'app.settings', 'fastapi',"
+            " 'rich']\n"
+            "print(json.dumps([status, [m for m in heavy if m in sys.modules]]), file=sys.stderr)"
+        )
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert run.stdout == "present user-1\nabsent  user-2\n", run.stderr
+        assert json.loads(run.stderr.splitlines()[-1]) == [1, []], run.stderr
+
     def test_a_group_of_commands_is_loaded_when_used(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
