@@ -68,7 +68,7 @@ SEARCH_BUDGET = 1 << 18  # buckets a sub-filter's searches visit (a second): ove
 Items = Iterable[Any] | AsyncIterable[Any]
 
 
-class Hashes:
+class HashSink:
     """The input reduced to what placement needs: per shard, ``h`` (int64) and ``g`` (uint32)
     of every item, in input order."""
 
@@ -420,7 +420,7 @@ def load_op(
     # Sized now (too large for a Redis string: refused before any I/O), the seed drawn as
     # reserve() draws it unless given or kept.
     seed = target.params(made, made.capacity, seed).layout().seed
-    sink = Hashes(seed, len(target.parts))
+    sink = HashSink(seed, len(target.parts))
     if isinstance(items, AsyncIterable):  # its chunks awaited one by one
         chunks = _achunks(items)
         while (chunk := (yield Work(partial(anext, chunks, None), awaits=True))) is not None:
