@@ -43,9 +43,10 @@ CHANGE_ID = Limit(1, MAX_CHANGE_ID)
 Item = tuple[int, bool, bytes]  # a checked change: id, insert, the item's bytes
 
 
-def checked(changes: Sequence[Change], source: int) -> tuple[bytes, list[Item]]:
-    """``source`` as the scripts take it, and (id, insert, item bytes) per change, once the
-    ids are known to be gapless."""
+def validate_changes(changes: Sequence[Change], source: int) -> tuple[bytes, list[Item]]:
+    """``changes`` and ``source`` checked (InvalidParameterError naming the one at fault: ids
+    in range and consecutive) and put as the scripts take them: ``source``'s 8 bytes, and
+    (id, insert, item bytes) per change."""
     SOURCE.check("source", source)
     out: list[Item] = []
     for k, change in enumerate(changes):

@@ -19,7 +19,7 @@ from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from guard import hashing, scripts
 from guard.bulk import Target
-from guard.changes import ApplyResult, Change, change_args, checked
+from guard.changes import ApplyResult, Change, change_args, validate_changes
 from guard.errors import (
     ChangeSourceError,
     FilterCorruptError,
@@ -415,7 +415,7 @@ class FilterOps:
         """Apply database changes in order, each exactly once: see guard/changes.py."""
         # In chunks, one call of guard/lua/apply.lua each, sent again from where growth that
         # needed keys stopped it; the script skips what an earlier call applied (a replay).
-        src, batch = checked(changes, source)
+        src, batch = validate_changes(changes, source)
         results: list[bool] = []
         skipped = 0
 
@@ -464,7 +464,7 @@ class FilterOps:
     @forgets_on_damage
     def undo_change(self, change: Change, *, source: int) -> Op[bool]:
         """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
-        src, item = checked([change], source)  # guard/lua/undo.lua
+        src, item = validate_changes([change], source)  # guard/lua/undo.lua
         head = [src, change.id]
         send = _Sender(self, "undo", source)
         while True:
