@@ -56,7 +56,7 @@ from guard.ops import (
     insert_chunk,
     one_command,
 )
-from guard.params import APPLIED, SOURCE, FilterParams
+from guard.params import APPLIED, SOURCE_OR_NONE, FilterParams
 from guard.reads import ReadPlan, SingleRead, TagMismatch
 
 
@@ -180,7 +180,7 @@ class FilterOps:
 
     def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[FilterInfo]:
         APPLIED.check("applied", applied)
-        SOURCE.check("source", source)
+        SOURCE_OR_NONE.check("source", source)
         layout = params.layout()
         header = pack_header(
             layout, params.capacity, params.error_rate, applied=applied, source=source
@@ -190,7 +190,7 @@ class FilterOps:
     def _bulk_target(self, applied: int, source: int) -> Target:
         """What a bulk build (guard/bulk.py) writes when this is the staging copy: itself."""
         APPLIED.check("applied", applied)
-        SOURCE.check("source", source)
+        SOURCE_OR_NONE.check("source", source)
         return Target([self])
 
     def _create_op(self, layout: Layout, header: bytes) -> Op[FilterInfo]:
