@@ -38,7 +38,7 @@ class ApplyResult:
     skipped: int = 0  # of the handled ones, those an earlier call had applied
 
 
-SOURCE = Limit(1, MAX_SOURCE)  # 0 is "none": a change log has an identity
+CHANGE_SOURCE = Limit(1, MAX_SOURCE)  # a change log's identity (0 is "none": not one)
 CHANGE_ID = Limit(1, MAX_CHANGE_ID)
 Item = tuple[int, bool, bytes]  # a checked change: id, insert, the item's bytes
 
@@ -47,7 +47,7 @@ def validate_changes(changes: Sequence[Change], source: int) -> tuple[bytes, lis
     """``changes`` and ``source`` checked (InvalidParameterError naming the one at fault: ids
     in range and consecutive) and put as the scripts take them: ``source``'s 8 bytes, and
     (id, insert, item bytes) per change."""
-    SOURCE.check("source", source)
+    CHANGE_SOURCE.check("source", source)
     out: list[Item] = []
     for k, change in enumerate(changes):
         if not isinstance(change, Change):
