@@ -490,7 +490,7 @@ class _Sender:
 
     def call(self, tail: Callable[[Layout], list[Any]]) -> Op[list[Any]]:
         """One call, ``tail(layout)`` its arguments after the layout's: its reply, unless
-        STALE (sent again) or SOURCE (ChangeSourceError)."""
+        STALE (sent again) or WRONG_SOURCE (ChangeSourceError)."""
         f = self.f
         while True:
             layout = yield from f._known_layout()
@@ -508,7 +508,7 @@ class _Sender:
                     raise
                 self.spares = 0
                 continue
-            if reply[0] == scripts.SOURCE:
+            if reply[0] == scripts.WRONG_SOURCE:
                 raise ChangeSourceError(f.name, int.from_bytes(reply[2], "big"), self.source)
             if reply[0] == scripts.NEEDKEYS:
                 self.spares = 2

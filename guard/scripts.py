@@ -38,8 +38,9 @@ PIECES = {
     "promote": ("_common",),
 }
 
-# Reply status codes, as in _common.lua.
-OK, STALE, FULL, NEEDKEYS, GAP, SOURCE = 0, 1, 2, 3, 4, 5
+# Reply status codes, as in _common.lua (where WRONG_SOURCE is SOURCE: the filter follows
+# another change log than the call's).
+OK, STALE, FULL, NEEDKEYS, GAP, WRONG_SOURCE = 0, 1, 2, 3, 4, 5
 
 
 # -- the numbers both languages use ----------------------------------------------------------
