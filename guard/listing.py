@@ -3,8 +3,10 @@
 A filter's first key is ``PREFIX{NAME}``; shard ``i`` of a sharded filter is ``PREFIX{NAME:i}``
 (guard/sharded.py). Sub-filter keys (``…}:n``) and staging copies (``…}:staging``) end after
 the brace, so the match pattern skips them; a match that is no filter name is skipped too.
-``read_filters`` (``read_filters_sync``) then reads every filter's info at once, reporting the
-damaged ones (a key of another type, bytes that are not a filter) instead of failing.
+``read_unsharded_filters`` (the service's: plain filters, through its own handles) and
+``read_all_filters_sync`` (the CLI's: plain and sharded) then read the filters' info at once,
+reporting the damaged ones (a key of another type, bytes that are not a filter) instead of
+failing.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def list_sharded_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> dict[
 
 @dataclass
 class FilterReport:
-    """What ``read_filters`` found: the filters it could read, and the damaged ones."""
+    """What a read of filters found: the filters it could read, and the damaged ones."""
 
     infos: list[FilterInfo] = field(default_factory=list)
     damaged: list[str] = field(default_factory=list)
@@ -101,7 +103,7 @@ def _report(
     return report
 
 
-async def read_filters(
+async def read_unsharded_filters(
     redis: Any,
     handle: Callable[[str], AsyncHandle[Any]],
     prefix: str = DEFAULT_PREFIX,
@@ -113,7 +115,7 @@ async def read_filters(
     return await AsyncRunner.on(redis)._drive(io)
 
 
-def read_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> FilterReport:
+def read_all_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> FilterReport:
     """The info of every filter under ``prefix``, plain and sharded, by name."""
 
     def handles(tags: list[str]) -> list[SyncHandle[Any]]:
@@ -133,6 +135,6 @@ __all__ = [
     "list_filters_sync",
     "list_sharded_filters",
     "list_sharded_filters_sync",
-    "read_filters",
-    "read_filters_sync",
+    "read_all_filters_sync",
+    "read_unsharded_filters",
 ]
