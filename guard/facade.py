@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
+from guard import scripts
 from guard.bulk import Items, Target, load_op
 from guard.coalesce import LookupCoalescer
 from guard.driver import AsyncRunner, SyncRunner
@@ -151,18 +152,18 @@ class Facade(Generic[InfoT]):
     @operation
     def count(self, item: str | bytes) -> Op[int]:
         """Copies of ``item``'s fingerprint in its two buckets (an upper bound of its count)."""
-        return int((yield from self._batch_op("count", [item]))[0])
+        return int((yield from self._batch_op(scripts.COUNT, [item]))[0])
 
     @operation
     def delete(self, item: str | bytes) -> Op[bool]:
         """Remove one copy of ``item``; only delete what was inserted (deleting an item that
         was not can remove another one's fingerprint: a false negative)."""
-        return bool((yield from self._batch_op("delete", [item]))[0])
+        return bool((yield from self._batch_op(scripts.DELETE, [item]))[0])
 
     @operation
     def delete_many(self, items: Iterable[str | bytes]) -> Op[list[bool]]:
         """``delete`` of each item."""
-        return [bool(r) for r in (yield from self._batch_op("delete", items))]
+        return [bool(r) for r in (yield from self._batch_op(scripts.DELETE, items))]
 
     @operation
     def info(self) -> Op[InfoT]:

@@ -195,7 +195,7 @@ class FilterOps:
 
     def _create_op(self, layout: Layout, header: bytes) -> Op[FilterInfo]:
         args = [header, layout.string_bytes(0), layout.tag(0)]
-        yield Round([Call("reserve", [self.key(0)], args)])
+        yield Round([Call(scripts.RESERVE, [self.key(0)], args)])
         self._layout = layout
         return (yield from self._info_op())
 
@@ -215,7 +215,7 @@ class FilterOps:
             layout = yield from self._known_layout()
             flat = hashing.flat(hashing.hash_batch(data, layout.seed))
             keys = self._keys(layout.subfilters)
-            read_only = script == "count" and self._read_scripts
+            read_only = script == scripts.COUNT and self._read_scripts
             parts = [layout.args() + flat[2 * a : 2 * b] for a, b in pending]
             try:
                 replies = yield Round([Call(script, keys, args, read_only) for args in parts])
@@ -322,7 +322,7 @@ class FilterOps:
             part = data[len(results) : len(results) + insert_chunk(layout.max_kicks)]
             return [int(unique), *hashing.flat(hashing.hash_batch(part, layout.seed))]
 
-        send = _Sender(self, "insert")
+        send = _Sender(self, scripts.INSERT)
         while len(results) < len(data):
             reply = yield from send.call(tail)
             if reply[0] == scripts.OK and len(reply) == 2:
@@ -376,7 +376,7 @@ class FilterOps:
         )
 
     def _drop_op(self) -> Op[bool]:
-        (existed,) = yield Round([Call("drop", self._keys(MAX_SUBFILTERS), [])])
+        (existed,) = yield Round([Call(scripts.DROP, self._keys(MAX_SUBFILTERS), [])])
         self._layout = UNKNOWN_LAYOUT
         return bool(existed)
 
@@ -398,7 +398,7 @@ class FilterOps:
         args = [int(only_if_new), int(unless_behind)]
         for _ in range(MAX_RETRIES):
             layout = yield from self._known_layout()
-            (reply,) = yield Round([Call("promote", keys, [*layout.args(), *args])])
+            (reply,) = yield Round([Call(scripts.PROMOTE, keys, [*layout.args(), *args])])
             self._layout = UNKNOWN_LAYOUT
             if isinstance(reply, list) and reply[:1] == [scripts.GAP]:
                 raise StagingBehindError(self.name, int(reply[1]))
@@ -423,7 +423,7 @@ class FilterOps:
             part = batch[len(results) : len(results) + insert_chunk(layout.max_kicks)]
             return [src, part[0][0] if part else 1, *change_args(part, layout.seed)]
 
-        send = _Sender(self, "apply", source)
+        send = _Sender(self, scripts.APPLY, source)
         while True:
             reply = yield from send.call(tail)
             if reply[0] == scripts.OK and len(reply) == 4 and len(results) < len(batch):
@@ -466,7 +466,7 @@ class FilterOps:
         """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
         src, item = validate_changes([change], source)  # guard/lua/undo.lua
         head = [src, change.id]
-        send = _Sender(self, "undo", source)
+        send = _Sender(self, scripts.UNDO, source)
         while True:
             reply = yield from send.call(lambda layout: [*head, *change_args(item, layout.seed)])
             if reply[0] == scripts.FULL:
