@@ -33,12 +33,13 @@ from contextlib import suppress
 from dataclasses import replace
 from functools import partial
 from itertools import chain, islice
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from guard import hashing
 from guard.errors import FilterExistsError, FilterFullError, InvalidParameterError
+from guard.handle import FilterHandle, Target
 from guard.layout import (
     COMMON_BYTES,
     HEADER_BYTES,
@@ -54,6 +55,8 @@ from guard.layout import (
 )
 from guard.ops import Call, Command, Op, Round, Work
 from guard.params import FilterParams
+
+InfoT = TypeVar("InfoT")  # what the handle's info() answers
 
 CHUNK_ITEMS = 1 << 16  # items hashed per step: the only Python objects held at once
 PACK_SLOTS = 1 << 20  # slots packed at once (a multiple of 8: every slice ends on a byte)
@@ -372,21 +375,8 @@ def build(h: np.ndarray, g: np.ndarray, layout: Layout, header: bytes, *, name: 
 # -- the operation: bulk_load on any handle -------------------------------------------------
 
 
-class Target(NamedTuple):
-    """What a build writes, as the staging copy's handle says (``_bulk_target``, guard/filter.py
-    and guard/sharded.py): the filters that hold the items and what their headers record."""
-
-    parts: list[Any]  # each with .key(n), sub-filter n's key
-    shards: int = 0  # as the headers record it: 0 for a plain filter
-    share: Callable[[int], int] | None = None  # one part's capacity, from the total
-    keep_seed: Callable[[], Op[int | None]] | None = None  # the live filter's, if it has one
-
-    def params(self, made: FilterParams, total: int, seed: int | None) -> FilterParams:
-        return replace(made, capacity=self.share(total) if self.share else total, seed=seed)
-
-
 def load_op(
-    handle: Any,
+    handle: FilterHandle[InfoT],
     items: Items,
     capacity: int | None,
     params: dict[str, Any],
@@ -395,8 +385,8 @@ def load_op(
     promote: bool,
     applied: int,
     source: int,
-) -> Op[Any]:
-    """``bulk_load`` of ``handle`` (a Facade: guard/facade.py, which imports this module):
+) -> Op[InfoT]:
+    """``bulk_load`` of ``handle`` (guard/facade.py, which imports this module):
     arguments checked as reserve() checks them, before any I/O; the input hashed; each part
     built and uploaded to the staging copy; the copy promoted; the info of what was written."""
     made = FilterParams.of(1 if capacity is None else capacity, **params)
@@ -448,8 +438,12 @@ def load_op(
 
 
 def staged_op(
-    handle: Any, stage: Any, write: Op[None], promote: bool, only_if_new: bool
-) -> Op[Any]:
+    handle: FilterHandle[InfoT],
+    stage: FilterHandle[InfoT],
+    write: Op[None],
+    promote: bool,
+    only_if_new: bool,
+) -> Op[InfoT]:
     """The one way a filter is replaced whole (a bulk build, an import: guard/dump.py): ``write``
     fills ``stage``, ``handle``'s staging copy, emptied first; promote swaps it in atomically
     (with ``only_if_new``, only if no live filter exists). Any failure drops the staging copy

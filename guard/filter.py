@@ -18,7 +18,6 @@ from typing import Any, Self
 from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from guard import hashing, scripts
-from guard.bulk import Target
 from guard.changes import ApplyResult, Change, change_args, validate_changes
 from guard.errors import (
     ChangeSourceError,
@@ -29,6 +28,7 @@ from guard.errors import (
     StagingBehindError,
 )
 from guard.facade import AsyncHandle, SyncHandle, operation
+from guard.handle import FilterHandle, Target
 from guard.hashing import to_bytes
 from guard.layout import (
     APPLIED_AT,
@@ -84,7 +84,7 @@ class FilterInfo:
         return asdict(self)
 
 
-class FilterOps:
+class FilterOps(FilterHandle[FilterInfo]):
     """One filter's operations, as generators of calls: the handles' (and each shard's)."""
 
     def __init__(

@@ -18,8 +18,9 @@ from typing import Any
 
 from guard.driver import AsyncRunner, Scan, SyncRunner, Transport, transport
 from guard.errors import FilterCorruptError, FilterNotFoundError, InvalidParameterError
-from guard.facade import AsyncHandle, Facade, SyncHandle
+from guard.facade import AsyncHandle, SyncHandle
 from guard.filter import FilterInfo, SyncCuckooFilter
+from guard.handle import FilterHandle
 from guard.names import DEFAULT_PREFIX, NAME_PATTERN
 from guard.ops import lockstep
 from guard.sharded import SyncShardedCuckooFilter
@@ -78,7 +79,7 @@ class FilterReport:
 
 
 def _report(
-    prefix: str, opened: Callable[[list[str]], Sequence[Facade[Any]]]
+    prefix: str, opened: Callable[[list[str]], Sequence[FilterHandle[Any]]]
 ) -> Transport[FilterReport]:
     """The info of the filters ``opened`` makes handles for from the SCAN's tags, read side by
     side; a filter dropped since the SCAN left out. Any error but damage raises."""
