@@ -5,8 +5,8 @@ sub-filter 0's header ``applied``, the id of the last change applied, and ``sour
 log it belongs to. guard/lua/apply.lua applies a batch and moves ``applied`` in the same script,
 skipping what an earlier call applied: a follower that crashes and replays, or two that
 overlap, apply each change once. A filter restored from an older copy carries its older id, so
-the guard sees it is behind. The operations are a single filter's (guard/filter.py:
-``apply_changes``, ``applied_change``, ``undo_change``); here are what they take and answer.
+the guard sees it is behind. The operations are a single filter's (guard/facade.py:
+``ChangeFeed``, written in guard/filter.py); here are what they take and answer.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The public methods of every filter handle, written once for sync, asyncio and pipelines.
 
-Each method builds an operation (guard/ops.py) from the handle's own, as the handle
+Every public operation is declared here, once: ``Facade``'s are every handle's, ``ChangeFeed``'s
+a single filter's. Each builds an operation (guard/ops.py) from the handle's own, as the handle
 contract (guard/handle.py: ``_insert_op`` and the rest) declares them and guard/filter.py and
 guard/sharded.py write them, and hands it to the object it is called on: a blocking handle runs
 it, an asyncio handle returns a coroutine, a pipeline queues it (``self`` is the handle either
@@ -10,14 +11,15 @@ flavour's result apart, as redis-py does for its two clients. Adding one: docs/e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from guard import scripts
 from guard.bulk import Items, load_op
+from guard.changes import ApplyResult, Change
 from guard.coalesce import LookupCoalescer
 from guard.driver import AsyncRunner, SyncRunner
-from guard.handle import FilterHandle
+from guard.handle import ChangeFeedHandle, FilterHandle
 from guard.hashing import to_bytes
 from guard.ops import OneCommand, Op, lockstep, raise_first
 from guard.params import FilterParams
@@ -177,6 +179,28 @@ class Facade(Generic[InfoT]):
         ``unless_behind``, raise StagingBehindError instead when the live filter follows the
         same change feed and has applied more of it."""
         return self._promote_op(unless_behind=unless_behind)
+
+
+class ChangeFeed:
+    """The change feed's methods (guard/changes.py): a single filter's handles have them
+    (guard/filter.py), a sharded filter's and the pipelines do not."""
+
+    @operation
+    def apply_changes(
+        self: ChangeFeedHandle[Any], changes: Sequence[Change], *, source: int
+    ) -> Op[ApplyResult]:
+        """Apply database changes in order, each exactly once: see guard/changes.py."""
+        return self._apply_changes_op(changes, source)
+
+    @operation
+    def applied_change(self: ChangeFeedHandle[Any]) -> Op[int]:
+        """The id of the last database change applied to the filter (0: none)."""
+        return self._applied_change_op()
+
+    @operation
+    def undo_change(self: ChangeFeedHandle[Any], change: Change, *, source: int) -> Op[bool]:
+        """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
+        return self._undo_change_op(change, source)
 
 
 class SyncHandle(SyncRunner, Facade[InfoT], FilterHandle[InfoT]):

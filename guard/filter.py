@@ -27,8 +27,8 @@ from guard.errors import (
     GuardError,
     StagingBehindError,
 )
-from guard.facade import AsyncHandle, SyncHandle, operation
-from guard.handle import FilterHandle, Target
+from guard.facade import AsyncHandle, ChangeFeed, SyncHandle
+from guard.handle import ChangeFeedHandle, Target
 from guard.hashing import to_bytes
 from guard.layout import (
     APPLIED_AT,
@@ -84,7 +84,7 @@ class FilterInfo:
         return asdict(self)
 
 
-class FilterOps(FilterHandle[FilterInfo]):
+class FilterOps(ChangeFeedHandle[FilterInfo]):
     """One filter's operations, as generators of calls: the handles' (and each shard's)."""
 
     def __init__(
@@ -409,9 +409,8 @@ class FilterOps(FilterHandle[FilterInfo]):
 
     # -- the change feed (guard/changes.py): a single filter's handles have it, not a sharded one
 
-    @operation
     @forgets_on_damage
-    def apply_changes(self, changes: Sequence[Change], *, source: int) -> Op[ApplyResult]:
+    def _apply_changes_op(self, changes: Sequence[Change], source: int) -> Op[ApplyResult]:
         """Apply database changes in order, each exactly once: see guard/changes.py."""
         # In chunks, one call of guard/lua/apply.lua each, sent again from where growth that
         # needed keys stopped it; the script skips what an earlier call applied (a replay).
@@ -442,9 +441,8 @@ class FilterOps(FilterHandle[FilterInfo]):
             if gap or len(results) >= len(batch):
                 return ApplyResult(applied, len(results), gap, results, skipped)
 
-    @operation
     @forgets_on_damage
-    def applied_change(self) -> Op[int]:
+    def _applied_change_op(self) -> Op[int]:
         """The id of the last database change applied to the filter (0: none)."""
         # Read-only (it runs on a replica): with a layout cached, one read of sub-filter 0's
         # tag beside the id (the tag proves the string is the layout's, as for a lookup);
@@ -460,9 +458,8 @@ class FilterOps(FilterHandle[FilterInfo]):
         stored = yield from self._probe_op()
         return unpack_header(stored[0].header).applied
 
-    @operation
     @forgets_on_damage
-    def undo_change(self, change: Change, *, source: int) -> Op[bool]:
+    def _undo_change_op(self, change: Change, source: int) -> Op[bool]:
         """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
         src, item = validate_changes([change], source)  # guard/lua/undo.lua
         head = [src, change.id]
@@ -555,7 +552,7 @@ class _QueuedLookup(OneCommand):
         return self._filter._lookup_rest(self._data, stale=True)
 
 
-class CuckooFilter(FilterOps, AsyncHandle[FilterInfo]):
+class CuckooFilter(FilterOps, ChangeFeed, AsyncHandle[FilterInfo]):
     """A handle on one filter over ``redis.asyncio.Redis`` (or its ``RedisCluster``);
     creating it does no I/O. Its methods are guard/facade.py's; with ``coalesce`` (the
     default), concurrent lookups on it are sent together (guard/coalesce.py)."""
@@ -567,7 +564,7 @@ class CuckooFilter(FilterOps, AsyncHandle[FilterInfo]):
         self._start(coalesce)
 
 
-class SyncCuckooFilter(FilterOps, SyncHandle[FilterInfo]):
+class SyncCuckooFilter(FilterOps, ChangeFeed, SyncHandle[FilterInfo]):
     """The same filter over a blocking ``redis.Redis`` (or ``RedisCluster``), for scripts."""
 
 

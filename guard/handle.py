@@ -5,14 +5,17 @@ A filter's operations are generators of calls (guard/ops.py) written twice, for 
 The handles' public methods (guard/facade.py), a bulk build (guard/bulk.py), an export or an
 import (guard/dump.py) and a listing (guard/listing.py) use nothing else of theirs than
 ``FilterHandle`` says; both implementations subclass it, so mypy holds them to it.
+``ChangeFeedHandle`` adds the change feed's operations (guard/changes.py), which a single
+filter has and a sharded one does not. Adding an operation: docs/extending.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple, Protocol, Self, TypeVar
 
+from guard.changes import ApplyResult, Change
 from guard.ops import OneCommand, Op
 from guard.params import FilterParams
 
@@ -66,4 +69,12 @@ class FilterHandle(Protocol[InfoT_co]):
         ...
 
 
-__all__ = ["FilterHandle", "Target"]
+class ChangeFeedHandle(FilterHandle[InfoT_co], Protocol[InfoT_co]):
+    """A filter that follows a database's change log (guard/changes.py): a single filter."""
+
+    def _apply_changes_op(self, changes: Sequence[Change], source: int) -> Op[ApplyResult]: ...
+    def _applied_change_op(self) -> Op[int]: ...
+    def _undo_change_op(self, change: Change, source: int) -> Op[bool]: ...
+
+
+__all__ = ["ChangeFeedHandle", "FilterHandle", "Target"]
