@@ -170,7 +170,7 @@ def _phases(r: redis.Redis, prefix: str, path: Path, count: int) -> dict[str, fl
     cf = SyncCuckooFilter(r, "phases", prefix)
     times = {}
     start = time.perf_counter()
-    sink = bulk.Hashes(seed=12345)
+    sink = bulk.HashSink(seed=12345)
     sink.add_all(key_chunks(path))
     times["read the file and hash"] = time.perf_counter() - start
     start = time.perf_counter()

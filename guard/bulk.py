@@ -36,10 +36,11 @@ from contextlib import suppress
 from dataclasses import replace
 from functools import partial
 from itertools import chain, islice
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from guard import hashing
 from guard.errors import FilterExistsError, FilterFullError, InvalidParameterError
+from guard.handle import FilterHandle, Target
 from guard.layout import (
     COMMON_BYTES,
     HEADER_BYTES,
@@ -59,6 +60,8 @@ from guard.params import FilterParams
 if TYPE_CHECKING:
     import numpy as np
 
+InfoT = TypeVar("InfoT")  # what the handle's info() answers
+
 CHUNK_ITEMS = 1 << 16  # items hashed per step: the only Python objects held at once
 PACK_SLOTS = 1 << 20  # slots packed at once (a multiple of 8: every slice ends on a byte)
 UPLOAD_BYTES = 4 << 20  # bytes per SETRANGE: no command is huge, however large the filter
@@ -72,7 +75,7 @@ SEARCH_BUDGET = 1 << 18  # buckets a sub-filter's searches visit (a second): ove
 Items = Iterable[Any] | AsyncIterable[Any]
 
 
-class Hashes:
+class HashSink:
     """The input reduced to what placement needs: per shard, ``h`` (int64) and ``g`` (uint32)
     of every item, in input order."""
 
@@ -398,21 +401,8 @@ def build(h: np.ndarray, g: np.ndarray, layout: Layout, header: bytes, *, name: 
 # -- the operation: bulk_load on any handle -------------------------------------------------
 
 
-class Target(NamedTuple):
-    """What a build writes, as the staging copy's handle says (``_bulk_target``, guard/filter.py
-    and guard/sharded.py): the filters that hold the items and what their headers record."""
-
-    parts: list[Any]  # each with .key(n), sub-filter n's key
-    shards: int = 0  # as the headers record it: 0 for a plain filter
-    share: Callable[[int], int] | None = None  # one part's capacity, from the total
-    keep_seed: Callable[[], Op[int | None]] | None = None  # the live filter's, if it has one
-
-    def params(self, made: FilterParams, total: int, seed: int | None) -> FilterParams:
-        return replace(made, capacity=self.share(total) if self.share else total, seed=seed)
-
-
 def load_op(
-    handle: Any,
+    handle: FilterHandle[InfoT],
     items: Items,
     capacity: int | None,
     params: dict[str, Any],
@@ -421,8 +411,8 @@ def load_op(
     promote: bool,
     applied: int,
     source: int,
-) -> Op[Any]:
-    """``bulk_load`` of ``handle`` (a Facade: guard/facade.py, which imports this module):
+) -> Op[InfoT]:
+    """``bulk_load`` of ``handle`` (guard/facade.py, which imports this module):
     arguments checked as reserve() checks them, before any I/O; the input hashed; each part
     built and uploaded to the staging copy; the copy promoted; the info of what was written."""
     made = FilterParams.of(1 if capacity is None else capacity, **params)
@@ -446,7 +436,7 @@ def load_op(
     # Sized now (too large for a Redis string: refused before any I/O), the seed drawn as
     # reserve() draws it unless given or kept.
     seed = target.params(made, made.capacity, seed).layout().seed
-    sink = Hashes(seed, len(target.parts))
+    sink = HashSink(seed, len(target.parts))
     if isinstance(items, AsyncIterable):  # its chunks awaited one by one
         chunks = _achunks(items)
         while (chunk := (yield Work(partial(anext, chunks, None), awaits=True))) is not None:
@@ -474,8 +464,12 @@ def load_op(
 
 
 def staged_op(
-    handle: Any, stage: Any, write: Op[None], promote: bool, only_if_new: bool
-) -> Op[Any]:
+    handle: FilterHandle[InfoT],
+    stage: FilterHandle[InfoT],
+    write: Op[None],
+    promote: bool,
+    only_if_new: bool,
+) -> Op[InfoT]:
     """The one way a filter is replaced whole (a bulk build, an import: guard/dump.py): ``write``
     fills ``stage``, ``handle``'s staging copy, emptied first; promote swaps it in atomically
     (with ``only_if_new``, only if no live filter exists). Any failure drops the staging copy

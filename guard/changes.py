@@ -5,8 +5,8 @@ sub-filter 0's header ``applied``, the id of the last change applied, and ``sour
 log it belongs to. guard/lua/apply.lua applies a batch and moves ``applied`` in the same script,
 skipping what an earlier call applied: a follower that crashes and replays, or two that
 overlap, apply each change once. A filter restored from an older copy carries its older id, so
-the guard sees it is behind. The operations are a single filter's (guard/filter.py:
-``apply_changes``, ``applied_change``, ``undo_change``); here are what they take and answer.
+the guard sees it is behind. The operations are a single filter's (guard/facade.py:
+``ChangeFeed``, written in guard/filter.py); here are what they take and answer.
 """
 
 from __future__ import annotations
@@ -38,15 +38,16 @@ class ApplyResult:
     skipped: int = 0  # of the handled ones, those an earlier call had applied
 
 
-SOURCE = Limit(1, MAX_SOURCE)  # 0 is "none": a change log has an identity
+CHANGE_SOURCE = Limit(1, MAX_SOURCE)  # a change log's identity (0 is "none": not one)
 CHANGE_ID = Limit(1, MAX_CHANGE_ID)
 Item = tuple[int, bool, bytes]  # a checked change: id, insert, the item's bytes
 
 
-def checked(changes: Sequence[Change], source: int) -> tuple[bytes, list[Item]]:
-    """``source`` as the scripts take it, and (id, insert, item bytes) per change, once the
-    ids are known to be gapless."""
-    SOURCE.check("source", source)
+def validate_changes(changes: Sequence[Change], source: int) -> tuple[bytes, list[Item]]:
+    """``changes`` and ``source`` checked (InvalidParameterError naming the one at fault: ids
+    in range and consecutive) and put as the scripts take them: ``source``'s 8 bytes, and
+    (id, insert, item bytes) per change."""
+    CHANGE_SOURCE.check("source", source)
     out: list[Item] = []
     for k, change in enumerate(changes):
         if not isinstance(change, Change):

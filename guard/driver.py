@@ -210,9 +210,9 @@ class _Runner:
         return runner
 
     @cached_property
-    def _scripts(self) -> dict[str, Any]:
-        """One Script object per guard script, bound to this handle's client."""
-        return scripts.register(self.redis)
+    def _scripts(self) -> scripts.BoundScripts:
+        """The guard scripts' Script objects, bound to this handle's client."""
+        return scripts.BoundScripts(self.redis)
 
     def _call(self, send: Send | SendPipeline) -> Any:
         """The client's reply to ``send``; an awaitable of it on asyncio.

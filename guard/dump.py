@@ -55,6 +55,7 @@ from guard.errors import (
 )
 from guard.facade import AsyncHandle, SyncHandle
 from guard.filter import FilterOps
+from guard.handle import FilterHandle
 from guard.layout import (
     HEADER_BYTES,
     MAX_SHARDS,
@@ -258,9 +259,9 @@ def _snapshot_op(part: FilterOps, token: str, chunk_bytes: int) -> Op[_Source]:
 
 
 def export_op(
-    handle: Any, out: BinaryIO, chunk_bytes: int = CHUNK_BYTES, progress: Any = None
+    handle: FilterHandle[Any], out: BinaryIO, chunk_bytes: int = CHUNK_BYTES, progress: Any = None
 ) -> Op[DumpSummary]:
-    """Write the filter of ``handle`` (any handle: guard/facade.py) to ``out`` from a
+    """Write the filter of ``handle`` (any handle: guard/handle.py) to ``out`` from a
     consistent snapshot (per shard, for a sharded one). ``progress(nbytes)`` per chunk."""
     if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be 1-{MAX_CHUNK_BYTES}")
@@ -415,7 +416,7 @@ def validate_dump(path: str | Path) -> DumpHeader:
     return header
 
 
-def import_op(handle: Any, path: str | Path, progress: Any = None) -> Op[DumpHeader]:
+def import_op(handle: FilterHandle[Any], path: str | Path, progress: Any = None) -> Op[DumpHeader]:
     """Replace the filter of ``handle`` (or create it) with the one in the dump at ``path``:
     nothing is written unless the whole file checks out; the live filter changes only at
     the promote."""

@@ -1,20 +1,25 @@
 """The public methods of every filter handle, written once for sync, asyncio and pipelines.
 
-Each method builds an operation (guard/ops.py) from the handle's own (``_insert_op`` and the
-rest: guard/filter.py, guard/sharded.py) and hands it to the object it is called on: a blocking
-handle runs it, an asyncio handle returns a coroutine, a pipeline queues it. The ``operation``
-descriptor does the hand-over and types each flavour's result apart, as redis-py does for its
-two clients.
+Every public operation is declared here, once: ``Facade``'s are every handle's, ``ChangeFeed``'s
+a single filter's. Each builds an operation (guard/ops.py) from the handle's own, as the handle
+contract (guard/handle.py: ``_insert_op`` and the rest) declares them and guard/filter.py and
+guard/sharded.py write them, and hands it to the object it is called on: a blocking handle runs
+it, an asyncio handle returns a coroutine, a pipeline queues it (``self`` is the handle either
+way: a pipeline passes its own). The ``operation`` descriptor does the hand-over and types each
+flavour's result apart, as redis-py does for its two clients. Adding one: docs/extending.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
-from guard.bulk import Items, Target, load_op
+from guard import scripts
+from guard.bulk import Items, load_op
+from guard.changes import ApplyResult, Change
 from guard.coalesce import LookupCoalescer
 from guard.driver import AsyncRunner, SyncRunner
+from guard.handle import ChangeFeedHandle, FilterHandle
 from guard.hashing import to_bytes
 from guard.ops import OneCommand, Op, lockstep, raise_first
 from guard.params import FilterParams
@@ -57,32 +62,19 @@ class operation(Generic[P, T]):
 
 
 class Facade(Generic[InfoT]):
-    """The methods every handle has. ``InfoT``: what ``info()`` and ``reserve()`` return."""
+    """The methods every handle has, pipelines' too. ``InfoT``: what ``info()`` and
+    ``reserve()`` return."""
 
     name: str
 
-    if TYPE_CHECKING:  # what a handle provides (guard/filter.py, guard/sharded.py)
-
-        def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[InfoT]: ...
-        def _insert_op(self, items: Iterable[str | bytes], unique: bool) -> Op[list[bool]]: ...
-        def _lookup_op(self, data: list[bytes]) -> Op[list[bool]]: ...
-        def _lookup_one_op(self, item: str | bytes) -> Op[bool]: ...
-        def _queued_lookup(self, item: str | bytes) -> Op[bool] | OneCommand: ...
-        def _batch_op(self, script: str, items: Iterable[str | bytes]) -> Op[list[Any]]: ...
-        def _info_op(self) -> Op[InfoT]: ...
-        def _exists_op(self) -> Op[bool]: ...
-        def _drop_op(self) -> Op[bool]: ...
-        def _promote_op(
-            self, only_if_new: bool = False, *, unless_behind: bool = False
-        ) -> Op[bool]: ...
-        def _bulk_target(self, applied: int, source: int) -> Target: ...
-        def staging(self) -> Self: ...
-
-        key: Callable[..., str]
-
     @operation
     def reserve(
-        self, capacity: int | FilterParams, *, applied: int = 0, source: int = 0, **params: Any
+        self: FilterHandle[InfoT],
+        capacity: int | FilterParams,
+        *,
+        applied: int = 0,
+        source: int = 0,
+        **params: Any,
     ) -> Op[InfoT]:
         """Create the filter: ``reserve(capacity, **params)`` with error_rate |
         fingerprint_bits, bucket_size, max_kicks, expansion (0 = fixed size), seed (see
@@ -94,7 +86,7 @@ class Facade(Generic[InfoT]):
 
     @operation
     def bulk_load(
-        self,
+        self: FilterHandle[InfoT],
         items: Items,
         capacity: int | None = None,
         *,
@@ -123,71 +115,95 @@ class Facade(Generic[InfoT]):
         )
 
     @operation
-    def insert(self, item: str | bytes) -> Op[bool]:
+    def insert(self: FilterHandle[InfoT], item: str | bytes) -> Op[bool]:
         """Add one copy of ``item`` (present or not)."""
         return (yield from self._insert_op([item], False))[0]
 
     @operation
-    def insert_unique(self, item: str | bytes) -> Op[bool]:
+    def insert_unique(self: FilterHandle[InfoT], item: str | bytes) -> Op[bool]:
         """Add ``item`` unless it (or an item with its fingerprint) seems present."""
         return (yield from self._insert_op([item], True))[0]
 
     @operation
-    def insert_many(self, items: Iterable[str | bytes], unique: bool = False) -> Op[list[bool]]:
+    def insert_many(
+        self: FilterHandle[InfoT], items: Iterable[str | bytes], unique: bool = False
+    ) -> Op[list[bool]]:
         """``insert`` (``insert_unique``) of each item; a full fixed-size filter raises
         FilterFullError, whose ``results`` say which items were added."""
         return self._insert_op(items, unique)
 
     @operation
-    def lookup(self, item: str | bytes) -> Op[bool]:
+    def lookup(self: FilterHandle[InfoT], item: str | bytes) -> Op[bool]:
         """Whether ``item`` is probably present (False is certain)."""
         return self._lookup_one_op(item)
 
     @operation
-    def lookup_many(self, items: Iterable[str | bytes]) -> Op[list[bool]]:
+    def lookup_many(self: FilterHandle[InfoT], items: Iterable[str | bytes]) -> Op[list[bool]]:
         """``lookup`` of each item."""
         return self._lookup_op([to_bytes(x) for x in items])
 
     @operation
-    def count(self, item: str | bytes) -> Op[int]:
+    def count(self: FilterHandle[InfoT], item: str | bytes) -> Op[int]:
         """Copies of ``item``'s fingerprint in its two buckets (an upper bound of its count)."""
-        return int((yield from self._batch_op("count", [item]))[0])
+        return int((yield from self._batch_op(scripts.COUNT, [item]))[0])
 
     @operation
-    def delete(self, item: str | bytes) -> Op[bool]:
+    def delete(self: FilterHandle[InfoT], item: str | bytes) -> Op[bool]:
         """Remove one copy of ``item``; only delete what was inserted (deleting an item that
         was not can remove another one's fingerprint: a false negative)."""
-        return bool((yield from self._batch_op("delete", [item]))[0])
+        return bool((yield from self._batch_op(scripts.DELETE, [item]))[0])
 
     @operation
-    def delete_many(self, items: Iterable[str | bytes]) -> Op[list[bool]]:
+    def delete_many(self: FilterHandle[InfoT], items: Iterable[str | bytes]) -> Op[list[bool]]:
         """``delete`` of each item."""
-        return [bool(r) for r in (yield from self._batch_op("delete", items))]
+        return [bool(r) for r in (yield from self._batch_op(scripts.DELETE, items))]
 
     @operation
-    def info(self) -> Op[InfoT]:
+    def info(self: FilterHandle[InfoT]) -> Op[InfoT]:
         """Size, load, counters and estimated error rate, read from the stored headers."""
         return self._info_op()
 
     @operation
-    def exists(self) -> Op[bool]:
+    def exists(self: FilterHandle[InfoT]) -> Op[bool]:
         """Whether the filter's first key exists (no check of its bytes)."""
         return self._exists_op()
 
     @operation
-    def drop(self) -> Op[bool]:
+    def drop(self: FilterHandle[InfoT]) -> Op[bool]:
         """Delete the filter; False when there was none."""
         return self._drop_op()
 
     @operation
-    def promote(self, *, unless_behind: bool = False) -> Op[bool]:
+    def promote(self: FilterHandle[InfoT], *, unless_behind: bool = False) -> Op[bool]:
         """Atomically replace the live filter by this staging copy (see ``staging()``). With
         ``unless_behind``, raise StagingBehindError instead when the live filter follows the
         same change feed and has applied more of it."""
         return self._promote_op(unless_behind=unless_behind)
 
 
-class SyncHandle(SyncRunner, Facade[InfoT]):
+class ChangeFeed:
+    """The change feed's methods (guard/changes.py): a single filter's handles have them
+    (guard/filter.py), a sharded filter's and the pipelines do not."""
+
+    @operation
+    def apply_changes(
+        self: ChangeFeedHandle[Any], changes: Sequence[Change], *, source: int
+    ) -> Op[ApplyResult]:
+        """Apply database changes in order, each exactly once: see guard/changes.py."""
+        return self._apply_changes_op(changes, source)
+
+    @operation
+    def applied_change(self: ChangeFeedHandle[Any]) -> Op[int]:
+        """The id of the last database change applied to the filter (0: none)."""
+        return self._applied_change_op()
+
+    @operation
+    def undo_change(self: ChangeFeedHandle[Any], change: Change, *, source: int) -> Op[bool]:
+        """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
+        return self._undo_change_op(change, source)
+
+
+class SyncHandle(SyncRunner, Facade[InfoT], FilterHandle[InfoT]):
     """A handle over a blocking client: each method runs its operation and returns."""
 
     def _bind(self, make: Callable[..., Op[Any]]) -> Callable[..., Any]:
@@ -198,7 +214,7 @@ class SyncHandle(SyncRunner, Facade[InfoT]):
         return Pipeline(self)
 
 
-class AsyncHandle(AsyncRunner, Facade[InfoT]):
+class AsyncHandle(AsyncRunner, Facade[InfoT], FilterHandle[InfoT]):
     """A handle over an asyncio client: each method returns a coroutine."""
 
     def _start(self, coalesce: bool) -> None:
@@ -243,7 +259,7 @@ class _Queue(Facade[InfoT]):
     lookup of the same item may run in either order.
     """
 
-    def __init__(self, handle: Facade[InfoT]) -> None:
+    def __init__(self, handle: FilterHandle[InfoT]) -> None:
         self._handle = handle
         self._ops: list[Op[Any] | OneCommand] = []
 

@@ -18,8 +18,7 @@ from typing import Any, Self
 from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from guard import hashing, scripts
-from guard.bulk import Target
-from guard.changes import ApplyResult, Change, change_args, checked
+from guard.changes import ApplyResult, Change, change_args, validate_changes
 from guard.errors import (
     ChangeSourceError,
     FilterCorruptError,
@@ -28,7 +27,8 @@ from guard.errors import (
     GuardError,
     StagingBehindError,
 )
-from guard.facade import AsyncHandle, SyncHandle, operation
+from guard.facade import AsyncHandle, ChangeFeed, SyncHandle
+from guard.handle import ChangeFeedHandle, Target
 from guard.hashing import to_bytes
 from guard.layout import (
     APPLIED_AT,
@@ -56,7 +56,7 @@ from guard.ops import (
     insert_chunk,
     one_command,
 )
-from guard.params import APPLIED, SOURCE, FilterParams
+from guard.params import APPLIED, SOURCE_OR_NONE, FilterParams
 from guard.reads import ReadPlan, SingleRead, TagMismatch
 
 
@@ -84,7 +84,7 @@ class FilterInfo:
         return asdict(self)
 
 
-class FilterOps:
+class FilterOps(ChangeFeedHandle[FilterInfo]):
     """One filter's operations, as generators of calls: the handles' (and each shard's)."""
 
     def __init__(
@@ -180,7 +180,7 @@ class FilterOps:
 
     def _reserve_op(self, params: FilterParams, applied: int, source: int) -> Op[FilterInfo]:
         APPLIED.check("applied", applied)
-        SOURCE.check("source", source)
+        SOURCE_OR_NONE.check("source", source)
         layout = params.layout()
         header = pack_header(
             layout, params.capacity, params.error_rate, applied=applied, source=source
@@ -190,12 +190,12 @@ class FilterOps:
     def _bulk_target(self, applied: int, source: int) -> Target:
         """What a bulk build (guard/bulk.py) writes when this is the staging copy: itself."""
         APPLIED.check("applied", applied)
-        SOURCE.check("source", source)
+        SOURCE_OR_NONE.check("source", source)
         return Target([self])
 
     def _create_op(self, layout: Layout, header: bytes) -> Op[FilterInfo]:
         args = [header, layout.string_bytes(0), layout.tag(0)]
-        yield Round([Call("reserve", [self.key(0)], args)])
+        yield Round([Call(scripts.RESERVE, [self.key(0)], args)])
         self._layout = layout
         return (yield from self._info_op())
 
@@ -215,7 +215,7 @@ class FilterOps:
             layout = yield from self._known_layout()
             flat = hashing.flat(hashing.hash_batch(data, layout.seed))
             keys = self._keys(layout.subfilters)
-            read_only = script == "count" and self._read_scripts
+            read_only = script == scripts.COUNT and self._read_scripts
             parts = [layout.args() + flat[2 * a : 2 * b] for a, b in pending]
             try:
                 replies = yield Round([Call(script, keys, args, read_only) for args in parts])
@@ -322,7 +322,7 @@ class FilterOps:
             part = data[len(results) : len(results) + insert_chunk(layout.max_kicks)]
             return [int(unique), *hashing.flat(hashing.hash_batch(part, layout.seed))]
 
-        send = _Sender(self, "insert")
+        send = _Sender(self, scripts.INSERT)
         while len(results) < len(data):
             reply = yield from send.call(tail)
             if reply[0] == scripts.OK and len(reply) == 2:
@@ -376,7 +376,7 @@ class FilterOps:
         )
 
     def _drop_op(self) -> Op[bool]:
-        (existed,) = yield Round([Call("drop", self._keys(MAX_SUBFILTERS), [])])
+        (existed,) = yield Round([Call(scripts.DROP, self._keys(MAX_SUBFILTERS), [])])
         self._layout = UNKNOWN_LAYOUT
         return bool(existed)
 
@@ -398,7 +398,7 @@ class FilterOps:
         args = [int(only_if_new), int(unless_behind)]
         for _ in range(MAX_RETRIES):
             layout = yield from self._known_layout()
-            (reply,) = yield Round([Call("promote", keys, [*layout.args(), *args])])
+            (reply,) = yield Round([Call(scripts.PROMOTE, keys, [*layout.args(), *args])])
             self._layout = UNKNOWN_LAYOUT
             if isinstance(reply, list) and reply[:1] == [scripts.GAP]:
                 raise StagingBehindError(self.name, int(reply[1]))
@@ -409,13 +409,12 @@ class FilterOps:
 
     # -- the change feed (guard/changes.py): a single filter's handles have it, not a sharded one
 
-    @operation
     @forgets_on_damage
-    def apply_changes(self, changes: Sequence[Change], *, source: int) -> Op[ApplyResult]:
+    def _apply_changes_op(self, changes: Sequence[Change], source: int) -> Op[ApplyResult]:
         """Apply database changes in order, each exactly once: see guard/changes.py."""
         # In chunks, one call of guard/lua/apply.lua each, sent again from where growth that
         # needed keys stopped it; the script skips what an earlier call applied (a replay).
-        src, batch = checked(changes, source)
+        src, batch = validate_changes(changes, source)
         results: list[bool] = []
         skipped = 0
 
@@ -423,7 +422,7 @@ class FilterOps:
             part = batch[len(results) : len(results) + insert_chunk(layout.max_kicks)]
             return [src, part[0][0] if part else 1, *change_args(part, layout.seed)]
 
-        send = _Sender(self, "apply", source)
+        send = _Sender(self, scripts.APPLY, source)
         while True:
             reply = yield from send.call(tail)
             if reply[0] == scripts.OK and len(reply) == 4 and len(results) < len(batch):
@@ -442,9 +441,8 @@ class FilterOps:
             if gap or len(results) >= len(batch):
                 return ApplyResult(applied, len(results), gap, results, skipped)
 
-    @operation
     @forgets_on_damage
-    def applied_change(self) -> Op[int]:
+    def _applied_change_op(self) -> Op[int]:
         """The id of the last database change applied to the filter (0: none)."""
         # Read-only (it runs on a replica): with a layout cached, one read of sub-filter 0's
         # tag beside the id (the tag proves the string is the layout's, as for a lookup);
@@ -460,13 +458,12 @@ class FilterOps:
         stored = yield from self._probe_op()
         return unpack_header(stored[0].header).applied
 
-    @operation
     @forgets_on_damage
-    def undo_change(self, change: Change, *, source: int) -> Op[bool]:
+    def _undo_change_op(self, change: Change, source: int) -> Op[bool]:
         """Take ``change`` back if it is the last one applied; False (nothing done) if not."""
-        src, item = checked([change], source)  # guard/lua/undo.lua
+        src, item = validate_changes([change], source)  # guard/lua/undo.lua
         head = [src, change.id]
-        send = _Sender(self, "undo", source)
+        send = _Sender(self, scripts.UNDO, source)
         while True:
             reply = yield from send.call(lambda layout: [*head, *change_args(item, layout.seed)])
             if reply[0] == scripts.FULL:
@@ -490,7 +487,7 @@ class _Sender:
 
     def call(self, tail: Callable[[Layout], list[Any]]) -> Op[list[Any]]:
         """One call, ``tail(layout)`` its arguments after the layout's: its reply, unless
-        STALE (sent again) or SOURCE (ChangeSourceError)."""
+        STALE (sent again) or WRONG_SOURCE (ChangeSourceError)."""
         f = self.f
         while True:
             layout = yield from f._known_layout()
@@ -508,7 +505,7 @@ class _Sender:
                     raise
                 self.spares = 0
                 continue
-            if reply[0] == scripts.SOURCE:
+            if reply[0] == scripts.WRONG_SOURCE:
                 raise ChangeSourceError(f.name, int.from_bytes(reply[2], "big"), self.source)
             if reply[0] == scripts.NEEDKEYS:
                 self.spares = 2
@@ -555,7 +552,7 @@ class _QueuedLookup(OneCommand):
         return self._filter._lookup_rest(self._data, stale=True)
 
 
-class CuckooFilter(FilterOps, AsyncHandle[FilterInfo]):
+class CuckooFilter(FilterOps, ChangeFeed, AsyncHandle[FilterInfo]):
     """A handle on one filter over ``redis.asyncio.Redis`` (or its ``RedisCluster``);
     creating it does no I/O. Its methods are guard/facade.py's; with ``coalesce`` (the
     default), concurrent lookups on it are sent together (guard/coalesce.py)."""
@@ -567,7 +564,7 @@ class CuckooFilter(FilterOps, AsyncHandle[FilterInfo]):
         self._start(coalesce)
 
 
-class SyncCuckooFilter(FilterOps, SyncHandle[FilterInfo]):
+class SyncCuckooFilter(FilterOps, ChangeFeed, SyncHandle[FilterInfo]):
     """The same filter over a blocking ``redis.Redis`` (or ``RedisCluster``), for scripts."""
 
 

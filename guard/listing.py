@@ -3,8 +3,10 @@
 A filter's first key is ``PREFIX{NAME}``; shard ``i`` of a sharded filter is ``PREFIX{NAME:i}``
 (guard/sharded.py). Sub-filter keys (``…}:n``) and staging copies (``…}:staging``) end after
 the brace, so the match pattern skips them; a match that is no filter name is skipped too.
-``read_filters`` (``read_filters_sync``) then reads every filter's info at once, reporting the
-damaged ones (a key of another type, bytes that are not a filter) instead of failing.
+``read_unsharded_filters`` (the service's: plain filters, through its own handles) and
+``read_all_filters_sync`` (the CLI's: plain and sharded) then read the filters' info at once,
+reporting the damaged ones (a key of another type, bytes that are not a filter) instead of
+failing.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 
 from guard.driver import AsyncRunner, Scan, SyncRunner, Transport, transport
 from guard.errors import FilterCorruptError, FilterNotFoundError, InvalidParameterError
-from guard.facade import AsyncHandle, Facade, SyncHandle
+from guard.facade import AsyncHandle, SyncHandle
 from guard.filter import FilterInfo, SyncCuckooFilter
+from guard.handle import FilterHandle
 from guard.names import DEFAULT_PREFIX, NAME_PATTERN
 from guard.ops import lockstep
 from guard.sharded import SyncShardedCuckooFilter
@@ -69,14 +72,14 @@ def list_sharded_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> dict[
 
 @dataclass
 class FilterReport:
-    """What ``read_filters`` found: the filters it could read, and the damaged ones."""
+    """What a read of filters found: the filters it could read, and the damaged ones."""
 
     infos: list[FilterInfo] = field(default_factory=list)
     damaged: list[str] = field(default_factory=list)
 
 
 def _report(
-    prefix: str, opened: Callable[[list[str]], Sequence[Facade[Any]]]
+    prefix: str, opened: Callable[[list[str]], Sequence[FilterHandle[Any]]]
 ) -> Transport[FilterReport]:
     """The info of the filters ``opened`` makes handles for from the SCAN's tags, read side by
     side; a filter dropped since the SCAN left out. Any error but damage raises."""
@@ -101,7 +104,7 @@ def _report(
     return report
 
 
-async def read_filters(
+async def read_unsharded_filters(
     redis: Any,
     handle: Callable[[str], AsyncHandle[Any]],
     prefix: str = DEFAULT_PREFIX,
@@ -113,7 +116,7 @@ async def read_filters(
     return await AsyncRunner.on(redis)._drive(io)
 
 
-def read_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> FilterReport:
+def read_all_filters_sync(redis: Any, prefix: str = DEFAULT_PREFIX) -> FilterReport:
     """The info of every filter under ``prefix``, plain and sharded, by name."""
 
     def handles(tags: list[str]) -> list[SyncHandle[Any]]:
@@ -133,6 +136,6 @@ __all__ = [
     "list_filters_sync",
     "list_sharded_filters",
     "list_sharded_filters_sync",
-    "read_filters",
-    "read_filters_sync",
+    "read_all_filters_sync",
+    "read_unsharded_filters",
 ]

@@ -156,9 +156,11 @@ DEFAULTS: dict[str, Any] = {
 
 
 # Not the filter's shape but where a filter made from a database snapshot stands in the
-# database's change log (guard/changes.py): reserve() takes them beside the parameters.
+# database's change log (guard/changes.py): reserve() takes them beside the parameters, 0 for
+# a filter that follows no log (guard/changes.py: CHANGE_SOURCE, what apply_changes takes,
+# is never 0).
 APPLIED = Limit(0, layout.MAX_CHANGE_ID)
-SOURCE = Limit(0, layout.MAX_SOURCE)
+SOURCE_OR_NONE = Limit(0, layout.MAX_SOURCE)
 
 
 def min_error_rate(bucket_size: int, growing: bool) -> float:

@@ -26,20 +26,36 @@ from guard.errors import (
 )
 
 # Each script is its operation's file after the shared pieces it uses: a script defines only
-# the functions it calls, since defining them is part of every call's cost.
-PIECES = {
-    "reserve": ("_common",),
-    "count": ("_common", "_store"),
-    "insert": ("_common", "_store", "_add"),
-    "delete": ("_common", "_store", "_remove"),
-    "apply": ("_common", "_store", "_add", "_remove", "_changes"),
-    "undo": ("_common", "_store", "_add", "_remove", "_changes"),
-    "drop": ("_common",),
-    "promote": ("_common",),
-}
+# the functions it calls, since defining them is part of every call's cost. ``define`` adds one
+# (below, the library's); its calls name it by the constant it returns.
+PIECES: dict[str, tuple[str, ...]] = {}
+_TEXTS: dict[str, str] = {}  # the text of a script kept outside guard/lua, by name
 
-# Reply status codes, as in _common.lua.
-OK, STALE, FULL, NEEDKEYS, GAP, SOURCE = 0, 1, 2, 3, 4, 5
+
+def define(name: str, *pieces: str, text: str | None = None) -> str:
+    """The script ``name``: guard/lua/<name>.lua (or ``text``, for one kept outside the
+    package), after the shared ``pieces`` it uses, in order. Returns ``name``, for the constant
+    that calls name it by (``Call(scripts.INSERT, ...)``); a name is defined once."""
+    if name in PIECES:
+        raise ValueError(f"script {name!r} is already defined")
+    PIECES[name] = pieces
+    if text is not None:
+        _TEXTS[name] = text
+    return name
+
+
+RESERVE = define("reserve", "_common")
+COUNT = define("count", "_common", "_store")
+INSERT = define("insert", "_common", "_store", "_add")
+DELETE = define("delete", "_common", "_store", "_remove")
+APPLY = define("apply", "_common", "_store", "_add", "_remove", "_changes")
+UNDO = define("undo", "_common", "_store", "_add", "_remove", "_changes")
+DROP = define("drop", "_common")
+PROMOTE = define("promote", "_common")
+
+# Reply status codes, as in _common.lua (where WRONG_SOURCE is SOURCE: the filter follows
+# another change log than the call's).
+OK, STALE, FULL, NEEDKEYS, GAP, WRONG_SOURCE = 0, 1, 2, 3, 4, 5
 
 
 # -- the numbers both languages use ----------------------------------------------------------
@@ -86,22 +102,40 @@ CONSTANTS = _constants()
 _NAMES = re.compile(r"\b(" + "|".join(CONSTANTS) + r")\b")
 
 
-@cache
-def _piece(part: str) -> str:
-    """guard/lua/<part>.lua with the constants written in (once per file: most scripts share
-    most pieces)."""
-    text = (files("guard") / "lua" / f"{part}.lua").read_text()
+def _with_constants(text: str) -> str:
     return _NAMES.sub(lambda match: CONSTANTS[match[1]], text)
 
 
 @cache
+def _piece(part: str) -> str:
+    """guard/lua/<part>.lua with the constants written in (once per file: most scripts share
+    most pieces)."""
+    return _with_constants((files("guard") / "lua" / f"{part}.lua").read_text())
+
+
+@cache
 def source(name: str) -> str:
-    return "\n".join(_piece(part) for part in [*PIECES[name], name])
+    own = _with_constants(_TEXTS[name]) if name in _TEXTS else _piece(name)
+    return "\n".join([*(_piece(part) for part in PIECES[name]), own])
+
+
+class BoundScripts(dict[str, Any]):
+    """Script name -> its Script object bound to ``client`` (sync or asyncio redis-py), made
+    when first asked for: a script defined after a handle was made is found all the same."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__()
+        self.client = client
+
+    def __missing__(self, name: str) -> Any:
+        bound = self[name] = self.client.register_script(source(name))
+        return bound
 
 
 def register(client: Any) -> dict[str, Any]:
-    """One Script object per operation, bound to ``client`` (sync or asyncio redis-py)."""
-    return {name: client.register_script(source(name)) for name in PIECES}
+    """One Script object per script defined so far, bound to ``client``."""
+    bound = BoundScripts(client)
+    return {name: bound[name] for name in PIECES}
 
 
 # -- what Redis's error replies mean ---------------------------------------------------------

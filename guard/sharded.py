@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Self
 
-from guard.bulk import Target
 from guard.errors import (
     FilterCorruptError,
     FilterExistsError,
@@ -28,6 +27,7 @@ from guard.errors import (
 )
 from guard.facade import AsyncHandle, SyncHandle
 from guard.filter import FilterInfo, FilterOps
+from guard.handle import FilterHandle, Target
 from guard.hashing import shard_of, to_bytes
 from guard.layout import MAX_SHARDS, Stored, pack_header, unpack_header, verify_stored
 from guard.names import DEFAULT_PREFIX
@@ -61,7 +61,7 @@ SHARDS = Limit(1, MAX_SHARDS)
 _SUMMED = ("capacity", "items", "buckets", "memory_bytes", "deletes", "missed_deletes")
 
 
-class ShardedOps:
+class ShardedOps(FilterHandle[ShardedFilterInfo]):
     """The sharded operations; each shard's are a single filter's (guard/filter.py)."""
 
     def __init__(self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, shards: int) -> None:

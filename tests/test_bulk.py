@@ -277,7 +277,7 @@ class TestGrowthLimit:
             if not all(reference.insert(x) for x in items):
                 continue
             fitted += 1
-            sink = bulk.Hashes(lay.seed)
+            sink = bulk.HashSink(lay.seed)
             sink.add(items)
             built = bulk.build(*sink.take(), lay, layout.pack_header(lay, 1, 1e-8), name="x")
             assert sum(built.items) == len(items)
@@ -297,12 +297,12 @@ class TestPacking:
         assert bulk.pack_slots(np.array(values, dtype=np.uint32), fp_bits) == expected
 
 
-class TestHashes:
+class TestHashSink:
     @given(items=st.lists(st.one_of(st.text(max_size=20), st.binary(max_size=20)), max_size=50))
     def test_same_hash_as_the_library(self, items: list[str | bytes]) -> None:
         """One digest per item gives h, g and the shard, as hashing.py computes them."""
         seed, shards = 12345, 3
-        sink = bulk.Hashes(seed, shards)
+        sink = bulk.HashSink(seed, shards)
         sink.add(items)
         data = [hashing.to_bytes(x) for x in items]
         for i in range(shards):
@@ -315,7 +315,7 @@ class TestHashes:
 
     def test_items_of_another_type_are_refused(self) -> None:
         with pytest.raises(TypeError, match="str or bytes"):
-            bulk.Hashes(1).add(["a", 3])
+            bulk.HashSink(1).add(["a", 3])
 
 
 class TestBulkLoad:

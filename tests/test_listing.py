@@ -13,7 +13,7 @@ from guard import (
     list_filters_sync,
     list_sharded_filters_sync,
 )
-from guard.listing import FilterReport, read_filters, read_filters_sync
+from guard.listing import FilterReport, read_all_filters_sync, read_unsharded_filters
 
 
 class TestForeignKeys:
@@ -28,7 +28,7 @@ class TestForeignKeys:
         assert list_filters_sync(sync_redis, prefix) == ["ok"]
         assert list_sharded_filters_sync(sync_redis, prefix) == {}
 
-    async def test_read_filters_names_damaged_ones(
+    async def test_read_unsharded_filters_names_damaged_ones(
         self, async_redis: aioredis.Redis, prefix: str
     ) -> None:
         await CuckooFilter(async_redis, "ok", prefix=prefix).reserve(10)
@@ -40,14 +40,14 @@ class TestForeignKeys:
         def handle(name: str) -> CuckooFilter:
             return CuckooFilter(async_redis, name, prefix=prefix)
 
-        report = await read_filters(async_redis, handle, prefix)
+        report = await read_unsharded_filters(async_redis, handle, prefix)
         assert [i.name for i in report.infos] == ["ok"]
         assert report.damaged == ["hash", "junk"]
-        first = await read_filters(async_redis, handle, prefix, limit=1)
+        first = await read_unsharded_filters(async_redis, handle, prefix, limit=1)
         assert (first.infos, first.damaged) == ([], ["hash"])
 
 
-class TestReadFiltersSync:
+class TestReadAllFiltersSync:
     def test_plain_sharded_and_damaged(self, sync_redis: redis.Redis, prefix: str) -> None:
         SyncCuckooFilter(sync_redis, "plain", prefix=prefix).reserve(10)
         SyncShardedCuckooFilter(sync_redis, "wide", prefix=prefix, shards=3).reserve(30)
@@ -55,7 +55,7 @@ class TestReadFiltersSync:
         cut = SyncShardedCuckooFilter(sync_redis, "cut", prefix=prefix, shards=3)
         cut.reserve(30)
         sync_redis.delete(cut.key(2))  # lost its last shard: it lists as 2 shards
-        report = read_filters_sync(sync_redis, prefix)
+        report = read_all_filters_sync(sync_redis, prefix)
         assert [i.name for i in report.infos] == ["plain", "wide"]
         assert report.damaged == ["cut", "junk"]
-        assert read_filters_sync(sync_redis, prefix + "none:") == FilterReport()
+        assert read_all_filters_sync(sync_redis, prefix + "none:") == FilterReport()

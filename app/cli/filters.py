@@ -184,11 +184,11 @@ def list_(redis_url: RedisUrl = None, prefix: Prefix = None, as_json: AsJson = F
     from rich.table import Table
 
     from guard import ShardedFilterInfo
-    from guard.listing import read_filters_sync
+    from guard.listing import read_all_filters_sync
 
     cfg = quick_settings(redis_url=redis_url, key_prefix=prefix)
     with sync_redis(cfg) as redis:
-        report = read_filters_sync(redis, cfg.key_prefix)
+        report = read_all_filters_sync(redis, cfg.key_prefix)
     infos = report.infos
     if report.damaged:  # not in the list, but not hidden either
         sys.stderr.write(f"damaged (drop or rebuild): {', '.join(report.damaged)}\n")

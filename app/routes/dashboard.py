@@ -19,7 +19,7 @@ from app.db import Database
 from app.deps import DbDep, FiltersDep, MetricsDep, RedisDep, SettingsDep
 from app.metrics import Metrics
 from guard.errors import RedisUnreachable
-from guard.listing import read_filters
+from guard.listing import read_unsharded_filters
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["dashboard"])
@@ -109,7 +109,7 @@ async def dashboard_data(
     infos: list[dict[str, Any]] | None = None
     damaged: list[str] | None = None
     try:
-        report = await read_filters(redis, filters.get, settings.key_prefix, MAX_FILTERS)
+        report = await read_unsharded_filters(redis, filters.get, settings.key_prefix, MAX_FILTERS)
         infos, damaged = [i.as_dict() for i in report.infos], report.damaged
     except RedisUnreachable:
         metrics.redis_error("dashboard")

@@ -36,7 +36,7 @@ from app.openapi import LIMIT_KEY, param_field
 from app.records import RebuildInProgress
 from app.routing import CheckedRoute, DirectRoute
 from guard import FilterInfo, FilterNotFoundError, FilterParams
-from guard.listing import read_filters
+from guard.listing import read_unsharded_filters
 
 router = APIRouter(prefix="/filters", tags=["filters"], route_class=CheckedRoute)
 
@@ -156,7 +156,7 @@ def _info(info: Any) -> dict[str, Any]:
 )
 async def list_all(redis: RedisDep, filters: FiltersDep) -> Any:
     """Every filter with its info; damaged ones by name only."""
-    report = await read_filters(redis, filters.get, filters.prefix)
+    report = await read_unsharded_filters(redis, filters.get, filters.prefix)
     return {"filters": [_info(i) for i in report.infos], "damaged": report.damaged}
 
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from app.deps import DbDep, FiltersDep, MetricsDep, RedisDep, SettingsDep, TablesDep
 from guard.errors import RedisUnreachable
-from guard.listing import read_filters
+from guard.listing import read_unsharded_filters
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["operations"])
@@ -80,7 +80,9 @@ async def metrics_route(
     flagged and the others keep theirs. A scrape never fails: when the gauges cannot be read
     (Redis down, anything else) they are skipped and the error counted."""
     try:
-        report = await read_filters(redis, filters.get, settings.key_prefix, MAX_FILTER_GAUGES)
+        report = await read_unsharded_filters(
+            redis, filters.get, settings.key_prefix, MAX_FILTER_GAUGES
+        )
         metrics.set_filters(report.infos, report.damaged)
     except RedisUnreachable as exc:
         metrics.redis_error("metrics")
