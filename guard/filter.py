@@ -54,7 +54,7 @@ from guard.ops import (
     Round,
     forgets_on_damage,
     insert_chunk,
-    one_command,
+    run_one,
 )
 from guard.params import APPLIED, SOURCE, FilterParams
 from guard.reads import ReadPlan, SingleRead, TagMismatch
@@ -237,29 +237,12 @@ class FilterOps:
         raise self._kept_changing(f"during {script}")
 
     def _lookup_one_op(self, item: str | bytes) -> Op[bool]:
-        """``lookup`` of one item, a web request's: with a known layout of one sub-filter
-        (nearly always), the general lookup's read planned once per layout (guard/reads.py:
-        SingleRead), with no loop around it; anything else goes on as the general lookup."""
-        item = to_bytes(item)  # here, not before: a bad item fails when the operation runs
-        layout = self._layout
-        if layout.subfilters != 1 or not layout.buckets0:
-            return (yield from self._lookup_op([item]))[0]
-        single = self._single
-        if single is None or single.layout is not layout:
-            single = self._single = SingleRead(layout)
-        args, fp = single.command(self._base, item)
-        used = self._read_command
-        try:
-            (reply,) = yield one_command(used, args)
-        except (ResponseError, FilterCorruptError) as exc:
-            return (yield from self._lookup_failed(exc, used, item))
-        if reply[0] == single.tag:
-            return single.holds(reply, fp)
-        # Stale, gone or damaged: the general lookup starts from the probe that says which.
-        return (yield from self._lookup_rest(item, stale=True))
+        """``lookup`` of one item, a web request's: the command and the reading of its reply
+        are _QueuedLookup's, the one definition a pipeline's queued lookup runs as well."""
+        return run_one(_QueuedLookup(self, item))
 
     def _queued_lookup(self, item: str | bytes) -> Op[bool] | OneCommand:
-        """``_lookup_one_op`` for a pipeline, with no generator (see _QueuedLookup)."""
+        """``lookup`` of one item for a pipeline, with no generator (see _QueuedLookup)."""
         return _QueuedLookup(self, item)
 
     def _lookup_failed(self, exc: BaseException, used: str, item: bytes) -> Op[bool]:
@@ -521,8 +504,11 @@ class _Sender:
 
 
 class _QueuedLookup(OneCommand):
-    """``lookup(item)`` queued in a pipeline: ``_lookup_one_op`` run by lockstep with no
-    generator (guard/ops.py: OneCommand), the same command, checks and hand-overs."""
+    """``lookup(item)``, a web request's: with a known layout of one sub-filter (nearly
+    always), the general lookup's read planned once per layout (guard/reads.py: SingleRead),
+    with no loop around it; anything else goes on as the general lookup. The one definition
+    of a single lookup: a handle runs it as an operation (ops.run_one, ``_lookup_one_op``),
+    a pipeline queues it for lockstep, which runs it with no generator (ops.OneCommand)."""
 
     __slots__ = ("_data", "_filter", "_fp", "_item", "_single", "_used")
 
@@ -533,9 +519,9 @@ class _QueuedLookup(OneCommand):
     def start(self) -> list[Any] | Op[bool]:
         f = self._filter
         layout = f._layout
+        self._data = data = to_bytes(self._item)  # here: a bad item fails when it runs
         if layout.subfilters != 1 or not layout.buckets0:
-            return f._lookup_one_op(self._item)  # the general lookup, from its start
-        self._data = data = to_bytes(self._item)
+            return f._lookup_rest(data)  # the general lookup, from its start
         single = f._single
         if single is None or single.layout is not layout:
             single = f._single = SingleRead(layout)
@@ -551,7 +537,7 @@ class _QueuedLookup(OneCommand):
         single = self._single
         if reply[0] == single.tag:
             return single.holds(reply, self._fp)
-        # Stale, gone or damaged: as in _lookup_one_op.
+        # Stale, gone or damaged: the general lookup starts from the probe that says which.
         return self._filter._lookup_rest(self._data, stale=True)
 
 
