@@ -18,6 +18,7 @@ from typing import Any, Self
 from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from guard import hashing, scripts
+from guard.ages import Ages, RollbackCounter, Rollbacks
 from guard.bulk import Target
 from guard.changes import ApplyResult, Change, change_args, checked
 from guard.errors import (
@@ -84,7 +85,7 @@ class FilterInfo:
         return asdict(self)
 
 
-class FilterOps:
+class FilterOps(Rollbacks):
     """One filter's operations, as generators of calls: the handles' (and each shard's)."""
 
     def __init__(
@@ -97,6 +98,11 @@ class FilterOps:
         self._read_command = "BITFIELD_RO"
         self._single: SingleRead | None = None  # the plan of one-item lookups, per layout
         self._read_scripts = True  # EVALSHA_RO for scripts that only read (Redis 7+)
+        self._rollbacks = RollbackCounter()  # a sharded filter's shards share their parent's
+        self._ages = Ages(name, _shard, self._rollbacks)  # the highest age read (guard/ages.py)
+
+    def _age_memories(self) -> list[Ages]:
+        return [self._ages]
 
     def key(self, n: int = 0) -> str:
         return self._base if n == 0 else f"{self._base}:{n}"
@@ -282,11 +288,16 @@ class FilterOps:
             reads = [c.args for c in plan.commands]
             replies = yield from self._reads_op(reads, atomic=layout.subfilters > 1)
             try:
-                return plan.evaluate(replies)
+                found = plan.evaluate(replies)
             except TagMismatch as bad:
                 if checked == layout:
                     # The headers hold this very layout, yet a tag disagrees: damaged.
                     raise FilterCorruptError(self.name, f"bad tag in {bad.key}") from None
+            else:
+                fresh = self._ages.fresh
+                if all([fresh(plan.identity, w, a) for w, a in plan.ages(replies)]):
+                    return found
+                return [True] * len(data)  # older than a filter read before: guard/ages.py
             # Stale, gone or damaged: the probe checks every sub-filter and says which
             # (adopting the stored layout, or raising not found / corrupt).
             yield from self._probe_op()
@@ -536,7 +547,10 @@ class _QueuedLookup(OneCommand):
             return self._filter._lookup_failed(reply, self._used, self._data)
         single = self._single
         if reply[0] == single.tag:
-            return single.holds(reply, self._fp)
+            writes, applied = single.age(reply)
+            if self._filter._ages.fresh(single.identity, writes, applied):
+                return single.holds(reply, self._fp)
+            return True  # older than a filter read before: "maybe present" (guard/ages.py)
         # Stale, gone or damaged: the general lookup starts from the probe that says which.
         return self._filter._lookup_rest(self._data, stale=True)
 
