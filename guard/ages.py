@@ -77,18 +77,20 @@ class Rollback(NamedTuple):
 class Ages:
     """One filter's (or shard's) highest age read, per identity; see the module's docstring."""
 
-    __slots__ = ("_high", "_rolled", "name", "shard", "shared")
+    __slots__ = ("_current", "_high", "_rolled", "name", "shard", "shared")
 
     def __init__(self, name: str, shard: int | None, shared: RollbackCounter) -> None:
         self.name, self.shard, self.shared = name, shard, shared
         self._high: dict[bytes, tuple[int, int]] = {}  # identity -> (writes, applied)
         self._rolled: set[bytes] = set()  # identities not trusted to answer "absent"
+        self._current = b""  # the identity last read, once one is not trusted
 
     def fresh(self, identity: bytes, writes: int, applied: int) -> bool:
         """Whether a read of this age may answer "absent"; counts and reports a rollback."""
         high = self._high.get(identity)
         if high is not None and writes == high[0] and applied == high[1] and not self._rolled:
             return True  # the common case: nothing written since the last read
+        self._current = identity
         if high is None:
             if len(self._high) >= MAX_IDENTITIES:
                 self._high.pop(next(iter(self._high)))
@@ -112,7 +114,7 @@ class Ages:
 
     @property
     def rolled_back(self) -> bool:
-        return bool(self._rolled)
+        return self._current in self._rolled
 
     def acknowledge(self) -> None:
         self._high.clear()
