@@ -10,6 +10,7 @@ a rollback (guard/ages.py, docs/consistency.md "Rollbacks").
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -47,7 +48,7 @@ def restore(r: redis.Redis, prefix: str, saved: dict[bytes, bytes]) -> None:
 
 
 async def asnapshot(r: aioredis.Redis, prefix: str) -> dict[bytes, bytes]:
-    return {k: await r.dump(k) async for k in r.scan_iter(match=f"{prefix}*")}
+    return {k: await r.dump(k) async for k in r.scan_iter(match=f"{prefix}*")}  # type: ignore[misc]
 
 
 async def arestore(r: aioredis.Redis, prefix: str, saved: dict[bytes, bytes]) -> None:
@@ -56,6 +57,18 @@ async def arestore(r: aioredis.Redis, prefix: str, saved: dict[bytes, bytes]) ->
             await r.delete(key)
     for key, data in saved.items():
         await r.restore(key, 0, data, replace=True)
+
+
+def roll_back(
+    r: redis.Redis, prefix: str, cf: SyncCuckooFilter, read: Callable[[], object]
+) -> None:
+    """``cf`` (reserved) gets BEFORE, a snapshot is taken, SINCE is added, ``read()`` lets
+    the handle read that newer filter, then the snapshot comes back."""
+    cf.insert_many(BEFORE)
+    saved = snapshot(r, prefix)
+    cf.insert_many(SINCE)
+    read()
+    restore(r, prefix, saved)
 
 
 def false_positives(cf: SyncCuckooFilter | SyncShardedCuckooFilter) -> int:
@@ -70,11 +83,7 @@ class TestSync:
         met: list[Rollback] = []
         cf.on_rollback = met.append
         cf.reserve(1000)
-        cf.insert_many(BEFORE)
-        saved = snapshot(sync_redis, prefix)
-        cf.insert_many(SINCE)
-        assert cf.lookup(SINCE[0])  # the handle has read the newer filter
-        restore(sync_redis, prefix, saved)
+        roll_back(sync_redis, prefix, cf, lambda: cf.lookup(SINCE[0]))
         assert all(cf.lookup(x) for x in SINCE)  # the first of these met the rollback
         assert cf.lookup_many(SINCE) == [True] * len(SINCE)
         pipe = cf.pipeline()
@@ -89,11 +98,7 @@ class TestSync:
     def test_a_batch_lookup_meets_it_first(self, sync_redis: redis.Redis, prefix: str) -> None:
         cf = SyncCuckooFilter(sync_redis, "roll", prefix)
         cf.reserve(1000)
-        cf.insert_many(BEFORE)
-        saved = snapshot(sync_redis, prefix)
-        cf.insert_many(SINCE)
-        assert cf.lookup_many(BEFORE[:1]) == [True]
-        restore(sync_redis, prefix, saved)
+        roll_back(sync_redis, prefix, cf, lambda: cf.lookup_many(BEFORE[:1]))
         assert cf.lookup_many(SINCE) == [True] * len(SINCE)
         assert cf.rollbacks == 1
 
@@ -102,11 +107,7 @@ class TestSync:
     ) -> None:
         cf = SyncCuckooFilter(sync_redis, "roll", prefix)
         cf.reserve(1000)
-        cf.insert_many(BEFORE)
-        saved = snapshot(sync_redis, prefix)
-        cf.insert_many(SINCE)
-        cf.lookup(SINCE[0])
-        restore(sync_redis, prefix, saved)
+        roll_back(sync_redis, prefix, cf, lambda: cf.lookup(SINCE[0]))
         assert cf.lookup(SINCE[1])
         # Writes after the rollback take its write count past the highest read: the items
         # the older copy lacks are lacking all the same.

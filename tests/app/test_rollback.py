@@ -9,24 +9,12 @@ watchdog check: every row or item written since is found, the rollback is counte
 
 from __future__ import annotations
 
-import redis.asyncio as aioredis
-
 from app.watchdog import ROLLED_BACK
 from tests.app.conftest import AUTH, Service, StartService
+from tests.test_rollback import arestore as restore
+from tests.test_rollback import asnapshot as snapshot
 
 SINCE = [f"since-{i}" for i in range(30)]
-
-
-async def snapshot(r: aioredis.Redis, pattern: str) -> dict[bytes, bytes]:
-    return {k: await r.dump(k) async for k in r.scan_iter(match=pattern)}
-
-
-async def restore(r: aioredis.Redis, pattern: str, saved: dict[bytes, bytes]) -> None:
-    async for key in r.scan_iter(match=pattern):
-        if key not in saved:
-            await r.delete(key)
-    for key, data in saved.items():
-        await r.restore(key, 0, data, replace=True)
 
 
 async def rollbacks_metric(svc: Service, name: str) -> float:
