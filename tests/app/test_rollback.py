@@ -49,9 +49,9 @@ async def test_records_written_since_are_never_blocked(start: StartService) -> N
     # The watchdog's repair (a replay of the feed) makes the filter whole and trusted again.
     await watchdog.tick()
     assert watchdog.incident is None
+    assert (await svc.client.get("/health")).json()["status"] == "ok"
     assert await cf.lookup_many(SINCE) == [True] * len(SINCE)
     assert not cf.rolled_back  # that lookup read the filter whole again
-    assert (await svc.client.get("/health")).json()["status"] == "ok"
     r = await svc.client.get("/records/never-written-0")
     assert r.status_code == 404
 
