@@ -217,7 +217,7 @@ class ShardedOps(Rollbacks):
         return self._items_op(data, lambda h, d: h._lookup_op(d))
 
     def _lookup_one_op(self, item: str | bytes) -> Op[bool]:
-        return (yield from self._lookup_op([to_bytes(item)]))[0]
+        return (yield from self._items_op([item], _lookup_one))[0]
 
     _queued_lookup = _lookup_one_op  # a pipeline queues the same
 
@@ -310,6 +310,11 @@ class ShardedOps(Rollbacks):
         )
         live._seed, self._seed = self._seed, None
         return True
+
+
+def _lookup_one(shard: FilterOps, data: list[bytes]) -> Op[list[bool]]:
+    """One item's lookup in its shard: the shard's single lookup (guard/filter.py)."""
+    return [(yield from shard._lookup_one_op(data[0]))]
 
 
 class ShardedCuckooFilter(ShardedOps, AsyncHandle[ShardedFilterInfo]):
