@@ -6,8 +6,8 @@ item's two buckets. The tag is where the handle's layout says the string ends, a
 sub-filter count and a digest of the geometry, so one 64-bit read proves that the string is
 there, whole, and laid out as the handle thinks. Every command validates itself, so a chunked
 batch cannot mix two layouts; several sub-filters are read in one MULTI. Each command ends
-with the reads of the filter's age (guard/ages.py: items; in sub-filter 0 also the delete
-counters and applied), so the read that answers a lookup also shows how old the filter is.
+with the reads of the filter's age (guard/ages.py: items; in sub-filter 0 also
+deletes and applied), so the read that answers a lookup also shows how old the filter is.
 
 Redis pays per BITFIELD sub-command more than per bit (Redis 7.0.15 here: 20 reads in one
 command cost 0.11 µs each as u8, 0.19 µs as i64), so reads are as few and as wide as BITFIELD
@@ -144,8 +144,8 @@ class SingleRead:
     @staticmethod
     def age(reply: Sequence[int]) -> tuple[int, int]:
         """The filter's write count and applied, from the reply's last reads (guard/ages.py)."""
-        items, deletes, missed, applied = reply[-AGE_VALUES:]
-        return items + 2 * deletes + missed, applied
+        items, deletes, applied = reply[-AGE_VALUES:]
+        return age_of(items, deletes), applied
 
     def holds(self, reply: Sequence[int], fp: int) -> bool:
         """Whether the reply's buckets hold ``fp``; the caller checks its tag, ``reply[0]``."""
@@ -248,15 +248,15 @@ class ReadPlan:
         the whole MULTI, from each sub-filter's first command."""
         if len(self.subfilters) == 1:
             return [(age_of(*reply[-AGE_VALUES:-1]), reply[-1]) for reply in replies]
-        items = deletes = missed = applied = 0
+        items = deletes = applied = 0
         seen = set()
         for cmd, reply in zip(self.commands, replies, strict=True):
             if cmd.subfilter in seen:
                 continue
             seen.add(cmd.subfilter)
             if cmd.subfilter == 0:
-                items0, deletes, missed, applied = reply[-AGE_VALUES:]
+                items0, deletes, applied = reply[-AGE_VALUES:]
                 items += items0
             else:
                 items += reply[-1]
-        return [(age_of(items, deletes, missed), applied)]
+        return [(age_of(items, deletes), applied)]
