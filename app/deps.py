@@ -23,6 +23,7 @@ from app.records import RecordStore, Tables
 from app.settings import Settings
 from app.watchdog import Watchdog
 from guard import CuckooFilter
+from guard.ages import Rollback
 from guard.names import NAME_PATTERN as FILTER_NAME
 
 NAME_PATTERN = FILTER_NAME.pattern  # the library's own rule, so the 422 and the library agree
@@ -109,23 +110,35 @@ class FilterHandles:
         prefix: str,
         preset: list[CuckooFilter],
         coalesce: bool = True,
+        on_rollback: Callable[[Rollback], None] | None = None,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
         self.coalesce = coalesce
+        # Told of each rollback a lookup meets (guard/ages.py). A handle dropped from the
+        # cache forgets the ages it read: the next one trusts what it reads first.
+        self.on_rollback = on_rollback
         self._handles: OrderedDict[str, CuckooFilter] = OrderedDict()
         self._pinned = {cf.name: cf for cf in preset}
+        for cf in preset:
+            cf.on_rollback = on_rollback
 
     def get(self, name: str) -> CuckooFilter:
         if name in self._pinned:
             return self._pinned[name]
-        handle = self._handles.pop(name, None) or CuckooFilter(
-            self.redis, name, self.prefix, coalesce=self.coalesce
-        )
+        handle = self._handles.pop(name, None)
+        if handle is None:
+            handle = CuckooFilter(self.redis, name, self.prefix, coalesce=self.coalesce)
+            handle.on_rollback = self.on_rollback
         self._handles[name] = handle  # most recently used last
         if len(self._handles) > self.MAX:
             self._handles.popitem(last=False)
         return handle
+
+    def rolled_back(self) -> list[str]:
+        """The filters whose lookups answer "maybe present" since a rollback (guard/ages.py)."""
+        handles = [*self._pinned.values(), *self._handles.values()]
+        return [cf.name for cf in handles if cf.rolled_back]
 
 
 async def get_filter_handles(request: Request) -> FilterHandles:

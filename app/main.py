@@ -31,6 +31,7 @@ from app.routing import add_routes
 from app.rules import rule_filter, rule_stale, rules_or_problem
 from app.settings import Settings, describe, startup_problem, weak_api_key
 from app.tasks import cancel
+from guard.ages import Rollback
 from guard.breaker import RedisBreaker
 from guard.middleware import Guard, GuardMiddleware
 
@@ -105,6 +106,26 @@ class ConfigErrorLine:
             await send(message)
 
 
+def _rollback_met(metrics: Metrics, tables: Tables, rollback: Rollback) -> None:
+    """A lookup read a filter older than one this process had read (guard/ages.py): it
+    answered "maybe present"; counted, and a table's filter is stale at once (its watchdog
+    replays the feed); a filter written only through the API stays untrusted in this process
+    (/health degraded) until it is restarted or the filter re-created."""
+    metrics.filter_rollback(rollback.filter)
+    log.warning(
+        "filter %s rolled back: write count %d after %d, applied %d after %d (older copy); "
+        "it answers 'maybe present' until repaired (docs/consistency.md, Rollbacks)",
+        rollback.filter,
+        rollback.writes,
+        rollback.highest_writes,
+        rollback.applied,
+        rollback.highest_applied,
+    )
+    for store in tables:
+        if store.filter.name == rollback.filter and store.watchdog is not None:
+            store.watchdog.rollback_met(rollback.applied, rollback.highest_applied)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     problem: str | None = None
     if settings is None:
@@ -148,6 +169,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 cfg.key_prefix,
                 [s.filter for s in tables],
                 coalesce=cfg.lookup_coalescing,
+                on_rollback=partial(_rollback_met, metrics, tables),
             )
             yield {
                 "redis": redis,

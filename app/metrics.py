@@ -113,6 +113,13 @@ class Metrics:
             ["filter", "reason"],
             registry=r,
         )
+        self.filter_rollbacks = Counter(
+            "guard_filter_rollbacks",
+            "Lookups that met a filter older than one this process had read (an older copy came "
+            "back: snapshot restore, failover); answered 'maybe present' (docs/consistency.md)",
+            ["filter"],
+            registry=r,
+        )
         self.filter_repairs = Counter(
             "guard_filter_repairs",
             "Repairs of a stale filter; how: catch_up (replay of the change log) or rebuild; "
@@ -187,6 +194,9 @@ class Metrics:
         if reason is not None:
             self.stale_gauge.labels(name, reason).set(1)
             self.stale_incidents.labels(name, reason).inc()
+
+    def filter_rollback(self, name: str) -> None:
+        self.filter_rollbacks.labels(name).inc()
 
     def filter_repair(self, name: str, how: str, outcome: str) -> None:
         self.filter_repairs.labels(name, how, outcome).inc()

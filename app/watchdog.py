@@ -215,6 +215,16 @@ class Watchdog:
                 return
             await self._judge(newest, applied)
 
+    def rollback_met(self, applied: int, highest: int) -> None:
+        """A lookup read the filter older than one it had read before (guard/ages.py: its
+        write count went back; ``applied`` and the ``highest`` the handle read): rolled back,
+        stale at once, repaired by a replay up to at least ``highest``."""
+        self._open(
+            ROLLED_BACK,
+            max(self._seen, highest),
+            f"a lookup read applied {applied} after {highest} (an older copy)",
+        )
+
     async def _judge(self, newest: int, applied: int) -> None:
         now = self.clock()
         if applied > newest:

@@ -18,6 +18,7 @@ from typing import Any, Self
 from redis.exceptions import ClusterError, ResponseError, TryAgainError
 
 from guard import hashing, scripts
+from guard.ages import Ages, RollbackCounter, Rollbacks
 from guard.changes import ApplyResult, Change, change_args, validate_changes
 from guard.errors import (
     ChangeSourceError,
@@ -54,7 +55,7 @@ from guard.ops import (
     Round,
     forgets_on_damage,
     insert_chunk,
-    one_command,
+    run_one,
 )
 from guard.params import APPLIED, SOURCE_OR_NONE, FilterParams
 from guard.reads import ReadPlan, SingleRead, TagMismatch
@@ -84,7 +85,7 @@ class FilterInfo:
         return asdict(self)
 
 
-class FilterOps(ChangeFeedHandle[FilterInfo]):
+class FilterOps(Rollbacks, ChangeFeedHandle[FilterInfo]):
     """One filter's operations, as generators of calls: the handles' (and each shard's)."""
 
     def __init__(
@@ -97,6 +98,11 @@ class FilterOps(ChangeFeedHandle[FilterInfo]):
         self._read_command = "BITFIELD_RO"
         self._single: SingleRead | None = None  # the plan of one-item lookups, per layout
         self._read_scripts = True  # EVALSHA_RO for scripts that only read (Redis 7+)
+        self._rollbacks = RollbackCounter()  # a sharded filter's shards share their parent's
+        self._ages = Ages(name, _shard, self._rollbacks)  # the highest age read (guard/ages.py)
+
+    def _age_memories(self) -> list[Ages]:
+        return [self._ages]
 
     def key(self, n: int = 0) -> str:
         return self._base if n == 0 else f"{self._base}:{n}"
@@ -237,29 +243,12 @@ class FilterOps(ChangeFeedHandle[FilterInfo]):
         raise self._kept_changing(f"during {script}")
 
     def _lookup_one_op(self, item: str | bytes) -> Op[bool]:
-        """``lookup`` of one item, a web request's: with a known layout of one sub-filter
-        (nearly always), the general lookup's read planned once per layout (guard/reads.py:
-        SingleRead), with no loop around it; anything else goes on as the general lookup."""
-        item = to_bytes(item)  # here, not before: a bad item fails when the operation runs
-        layout = self._layout
-        if layout.subfilters != 1 or not layout.buckets0:
-            return (yield from self._lookup_op([item]))[0]
-        single = self._single
-        if single is None or single.layout is not layout:
-            single = self._single = SingleRead(layout)
-        args, fp = single.command(self._base, item)
-        used = self._read_command
-        try:
-            (reply,) = yield one_command(used, args)
-        except (ResponseError, FilterCorruptError) as exc:
-            return (yield from self._lookup_failed(exc, used, item))
-        if reply[0] == single.tag:
-            return single.holds(reply, fp)
-        # Stale, gone or damaged: the general lookup starts from the probe that says which.
-        return (yield from self._lookup_rest(item, stale=True))
+        """``lookup`` of one item, a web request's: the command and the reading of its reply
+        are _QueuedLookup's, the one definition a pipeline's queued lookup runs as well."""
+        return run_one(_QueuedLookup(self, item))
 
     def _queued_lookup(self, item: str | bytes) -> Op[bool] | OneCommand:
-        """``_lookup_one_op`` for a pipeline, with no generator (see _QueuedLookup)."""
+        """``lookup`` of one item for a pipeline, with no generator (see _QueuedLookup)."""
         return _QueuedLookup(self, item)
 
     def _lookup_failed(self, exc: BaseException, used: str, item: bytes) -> Op[bool]:
@@ -299,11 +288,16 @@ class FilterOps(ChangeFeedHandle[FilterInfo]):
             reads = [c.args for c in plan.commands]
             replies = yield from self._reads_op(reads, atomic=layout.subfilters > 1)
             try:
-                return plan.evaluate(replies)
+                found = plan.evaluate(replies)
             except TagMismatch as bad:
                 if checked == layout:
                     # The headers hold this very layout, yet a tag disagrees: damaged.
                     raise FilterCorruptError(self.name, f"bad tag in {bad.key}") from None
+            else:
+                fresh = self._ages.fresh
+                if all([fresh(plan.identity, w, a) for w, a in plan.ages(replies)]):
+                    return found
+                return [True] * len(data)  # older than a filter read before: guard/ages.py
             # Stale, gone or damaged: the probe checks every sub-filter and says which
             # (adopting the stored layout, or raising not found / corrupt).
             yield from self._probe_op()
@@ -518,8 +512,11 @@ class _Sender:
 
 
 class _QueuedLookup(OneCommand):
-    """``lookup(item)`` queued in a pipeline: ``_lookup_one_op`` run by lockstep with no
-    generator (guard/ops.py: OneCommand), the same command, checks and hand-overs."""
+    """``lookup(item)``, a web request's: with a known layout of one sub-filter (nearly
+    always), the general lookup's read planned once per layout (guard/reads.py: SingleRead),
+    with no loop around it; anything else goes on as the general lookup. The one definition
+    of a single lookup: a handle runs it as an operation (ops.run_one, ``_lookup_one_op``),
+    a pipeline queues it for lockstep, which runs it with no generator (ops.OneCommand)."""
 
     __slots__ = ("_data", "_filter", "_fp", "_item", "_single", "_used")
 
@@ -530,9 +527,9 @@ class _QueuedLookup(OneCommand):
     def start(self) -> list[Any] | Op[bool]:
         f = self._filter
         layout = f._layout
+        self._data = data = to_bytes(self._item)  # here: a bad item fails when it runs
         if layout.subfilters != 1 or not layout.buckets0:
-            return f._lookup_one_op(self._item)  # the general lookup, from its start
-        self._data = data = to_bytes(self._item)
+            return f._lookup_rest(data)  # the general lookup, from its start
         single = f._single
         if single is None or single.layout is not layout:
             single = f._single = SingleRead(layout)
@@ -547,8 +544,11 @@ class _QueuedLookup(OneCommand):
             return self._filter._lookup_failed(reply, self._used, self._data)
         single = self._single
         if reply[0] == single.tag:
-            return single.holds(reply, self._fp)
-        # Stale, gone or damaged: as in _lookup_one_op.
+            writes, applied = single.age(reply)
+            if self._filter._ages.fresh(single.identity, writes, applied):
+                return single.holds(reply, self._fp)
+            return True  # older than a filter read before: "maybe present" (guard/ages.py)
+        # Stale, gone or damaged: the general lookup starts from the probe that says which.
         return self._filter._lookup_rest(self._data, stale=True)
 
 

@@ -120,6 +120,21 @@ class OneCommand:
         raise NotImplementedError
 
 
+def run_one(op: OneCommand) -> Op[Any]:
+    """``op`` run alone, as an operation: what ``lockstep`` does with it, with one command."""
+    started = op.start()
+    if not isinstance(started, list):
+        return (yield from started)
+    try:
+        (reply,) = yield one_command(started[0], started[1:])
+    except Exception as exc:  # finish raises it, or handles it (a refused BITFIELD_RO)
+        reply = exc
+    result = op.finish(reply)
+    if isinstance(result, GeneratorType):
+        return (yield from result)
+    return result
+
+
 _READS = object()  # the key of a step's Reads in its batch: equal to no caller's key
 
 

@@ -5,7 +5,9 @@ command reads the 8-byte tag that ends the sub-filter's string (docs/format.md) 
 item's two buckets. The tag is where the handle's layout says the string ends, and holds the
 sub-filter count and a digest of the geometry, so one 64-bit read proves that the string is
 there, whole, and laid out as the handle thinks. Every command validates itself, so a chunked
-batch cannot mix two layouts; several sub-filters are read in one MULTI.
+batch cannot mix two layouts; several sub-filters are read in one MULTI. Each command ends
+with the reads of the filter's age (guard/ages.py: items; in sub-filter 0 also
+deletes and applied), so the read that answers a lookup also shows how old the filter is.
 
 Redis pays per BITFIELD sub-command more than per bit (Redis 7.0.15 here: 20 reads in one
 command cost 0.11 µs each as u8, 0.19 µs as i64), so reads are as few and as wide as BITFIELD
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from mmh3 import hash128
 
 from guard import hashing
+from guard.ages import AGE_READS, AGE_VALUES, ITEMS_READ, age_of
 from guard.layout import HEADER_BYTES, TAG_BYTES, Layout
 
 if TYPE_CHECKING:
@@ -68,8 +71,8 @@ class _Subfilter:
         self.parts = tuple(
             (s, min(per_read, b - s), min(per_read, b - s) * f) for s in range(0, b, per_read)
         )
-        # Items per read command: at most MAX_GETS reads in one, the tag's among them.
-        self.per_command = max(1, (MAX_GETS - 1) // (2 * len(self.parts)))
+        # Items per read command: at most MAX_GETS reads in one, the tag's and age's among them.
+        self.per_command = max(1, (MAX_GETS - 1 - AGE_VALUES) // (2 * len(self.parts)))
         # u64 does not exist (unsigned tops out at 63 bits): read i64, fix the sign on use.
         self._reads = [("GET", "i64" if w == 64 else f"u{w}", s * f) for s, _, w in self.parts]
         # Per read, (lo, hi): a 1 in the lowest, and in the highest, bit of every slot.
@@ -107,6 +110,7 @@ class SingleRead:
             raise ValueError("a single read is for a filter of one sub-filter")
         sub = _per_subfilter(layout)[0]
         self.layout, self.tag, self._sub = layout, sub.tag, sub
+        self.identity = layout.digest  # guard/ages.py
         f = layout.fp_bits
         # One read per bucket (b * f <= 64: b=4 with f=16, say): its type; else None.
         kind = sub._reads[0][1] if len(sub.parts) == 1 else None
@@ -136,14 +140,20 @@ class SingleRead:
         at1 = base + i1 * bucket_bits
         at2 = base + i2 * bucket_bits
         if kind is not None:
-            return [key, get, tag_kind, tag_bit, "GET", kind, at1, "GET", kind, at2], fp
+            return [key, get, tag_kind, tag_bit, "GET", kind, at1, "GET", kind, at2, *AGE_READS], fp
         gets = self._sub.gets
-        return [key, get, tag_kind, tag_bit, *gets(at1), *gets(at2)], fp
+        return [key, get, tag_kind, tag_bit, *gets(at1), *gets(at2), *AGE_READS], fp
+
+    @staticmethod
+    def age(reply: Sequence[int]) -> tuple[int, int]:
+        """The filter's write count and applied, from the reply's last reads (guard/ages.py)."""
+        items, deletes, applied = reply[-AGE_VALUES:]
+        return age_of(items, deletes), applied
 
     def holds(self, reply: Sequence[int], fp: int) -> bool:
         """Whether the reply's buckets hold ``fp``; the caller checks its tag, ``reply[0]``."""
         if self._lanes is None:
-            return self._sub.holds(reply[1:], fp)
+            return self._sub.holds(reply[1:-AGE_VALUES], fp)
         lo, hi = self._lanes
         want = fp * lo
         x = (reply[1] % _U64) ^ want
@@ -158,6 +168,7 @@ class ReadPlan:
 
     def __init__(self, layout: Layout, hashes: hashing.Hashes, key: Callable[[int], str]) -> None:
         self.count = len(hashes)
+        self.identity = layout.digest  # guard/ages.py
         self.vector = not isinstance(hashes, list)  # (n, 2) int64: planned with numpy
         self.subfilters = _per_subfilter(layout)
         self.commands: list[_Command] = []
@@ -199,7 +210,8 @@ class ReadPlan:
             per_command, width = sub.per_command, len(unit)
             for start in range(0, self.count, per_command):
                 stop = min(self.count, start + per_command)
-                args = [key(n), *sub.tag_read, *flat[start * width : stop * width]]
+                ages = AGE_READS if n == 0 else ITEMS_READ
+                args = [key(n), *sub.tag_read, *flat[start * width : stop * width], *ages]
                 own = [] if self.vector else fps[start:stop]
                 self.commands.append(_Command(n, list(range(start, stop)), own, args))
 
@@ -217,7 +229,8 @@ class ReadPlan:
             for cmd, reply in zip(self.commands, replies, strict=True):
                 sub = self.subfilters[cmd.subfilter]
                 start, stop = cmd.items[0], cmd.items[-1] + 1
-                values = np.array(reply[1:], dtype=np.int64).view(np.uint64)
+                end = len(reply) - (AGE_VALUES if cmd.subfilter == 0 else 1)
+                values = np.array(reply[1:end], dtype=np.int64).view(np.uint64)
                 values = values.reshape(stop - start, 2, len(sub.parts))
                 fps = self._fps[cmd.subfilter][start:stop].astype(np.uint64)
                 for j, (lo, hi) in enumerate(sub.lanes):
@@ -235,3 +248,22 @@ class ReadPlan:
                     found[k] = sub.holds(reply[pos : pos + width], fp)
                 pos += width
         return found
+
+    def ages(self, replies: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+        """The filter's (write count, applied) as the replies read it: one per command when
+        it has one sub-filter (its chunks go unwrapped, each read on its own), else one for
+        the whole MULTI, from each sub-filter's first command."""
+        if len(self.subfilters) == 1:
+            return [(age_of(*reply[-AGE_VALUES:-1]), reply[-1]) for reply in replies]
+        items = deletes = applied = 0
+        seen = set()
+        for cmd, reply in zip(self.commands, replies, strict=True):
+            if cmd.subfilter in seen:
+                continue
+            seen.add(cmd.subfilter)
+            if cmd.subfilter == 0:
+                items0, deletes, applied = reply[-AGE_VALUES:]
+                items += items0
+            else:
+                items += reply[-1]
+        return [(age_of(items, deletes), applied)]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Self
 
+from guard.ages import Ages, RollbackCounter, Rollbacks
 from guard.errors import (
     FilterCorruptError,
     FilterExistsError,
@@ -61,15 +62,22 @@ SHARDS = Limit(1, MAX_SHARDS)
 _SUMMED = ("capacity", "items", "buckets", "memory_bytes", "deletes", "missed_deletes")
 
 
-class ShardedOps(FilterHandle[ShardedFilterInfo]):
+class ShardedOps(Rollbacks, FilterHandle[ShardedFilterInfo]):
     """The sharded operations; each shard's are a single filter's (guard/filter.py)."""
 
     def __init__(self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, shards: int) -> None:
         SHARDS.check("shards", shards)
         self.redis, self.name, self.prefix, self.shards = redis, name, prefix, shards
         self._handles = [FilterOps(redis, name, prefix, _shard=i) for i in range(shards)]
+        self._rollbacks = RollbackCounter()  # every shard's rollbacks (guard/ages.py)
+        for i, handle in enumerate(self._handles):
+            handle._rollbacks = self._rollbacks
+            handle._ages = Ages(name, i, self._rollbacks)
         self._seed: int | None = None  # the routing seed, learned from the shards' headers
         self._live: ShardedOps | None = None  # what a staging copy replaces when promoted
+
+    def _age_memories(self) -> list[Ages]:
+        return [h._ages for h in self._handles]
 
     def key(self, shard: int, n: int = 0) -> str:
         return self._handles[shard].key(n)
@@ -209,7 +217,7 @@ class ShardedOps(FilterHandle[ShardedFilterInfo]):
         return self._items_op(data, lambda h, d: h._lookup_op(d))
 
     def _lookup_one_op(self, item: str | bytes) -> Op[bool]:
-        return (yield from self._lookup_op([to_bytes(item)]))[0]
+        return (yield from self._items_op([item], _lookup_one))[0]
 
     _queued_lookup = _lookup_one_op  # a pipeline queues the same
 
@@ -302,6 +310,11 @@ class ShardedOps(FilterHandle[ShardedFilterInfo]):
         )
         live._seed, self._seed = self._seed, None
         return True
+
+
+def _lookup_one(shard: FilterOps, data: list[bytes]) -> Op[list[bool]]:
+    """One item's lookup in its shard: the shard's single lookup (guard/filter.py)."""
+    return [(yield from shard._lookup_one_op(data[0]))]
 
 
 class ShardedCuckooFilter(ShardedOps, AsyncHandle[ShardedFilterInfo]):
