@@ -28,7 +28,7 @@ from app.records import Tables
 from app.redis_conn import open_redis
 from app.routes import dashboard, filters, health, records
 from app.routing import add_routes
-from app.rules import rule_filter, rule_stale, rules_or_problem
+from app.rules import ServiceRules, rule_filter, rule_stale, rules_or_problem
 from app.settings import Settings, describe, startup_problem, weak_api_key
 from app.tasks import cancel
 from guard.ages import Rollback
@@ -127,71 +127,19 @@ def _rollback_met(metrics: Metrics, tables: Tables, rollback: Rollback) -> None:
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    problem: str | None = None
-    if settings is None:
-        try:
-            settings = Settings()
-        except ValidationError as exc:
-            # Importing app.main must never fail: report bad settings when the app starts.
-            problem = describe(exc)
-            settings = Settings.model_construct()
-    problem = problem or startup_problem(settings)
-    # The route rules; a table-backed one puts the records store on its table.
-    served, rules_problem = rules_or_problem(settings)
-    problem = problem or rules_problem
+    """The service: its settings checked, the subsystems composed (the records tables, the
+    routes, the guard and the middleware around them); clients open in the lifespan."""
+    served, problem = _served(settings)
     cfg = served.settings
     metrics = Metrics()
     # One window for the one Redis: a failed guard lookup spares the cache read after it.
     breaker = RedisBreaker(cfg.redis_cooldown)
     history = dashboard.History()
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        if not logging.getLogger().handlers:  # leave a host's logging setup alone
-            logging.basicConfig(level=cfg.log_level, format="%(levelname)s %(name)s: %(message)s")
-        async with AsyncExitStack() as stack:
-            clients = await stack.enter_async_context(open_redis(cfg))
-            redis = clients.main
-            # The records subsystems, one per guarded table: filter, caches, follower,
-            # watchdog, rebuilds (app/records.py); the first serves /records.
-            tables = await stack.enter_async_context(
-                Tables.running(served.tables, clients, metrics, breaker, _open_database)
-            )
-            store = tables.primary
-            db = store.db
-            metrics.bind_queries(lambda: db.queries)
-            sampler = asyncio.create_task(
-                dashboard.sample(history, lambda: dashboard.counters(metrics, db))
-            )
-            stack.push_async_callback(cancel, sampler)
-            handles = FilterHandles(
-                redis,
-                cfg.key_prefix,
-                [s.filter for s in tables],
-                coalesce=cfg.lookup_coalescing,
-                on_rollback=partial(_rollback_met, metrics, tables),
-            )
-            yield {
-                "redis": redis,
-                "admin_redis": clients.admin,
-                "filters": handles,
-                "rule_filters": {rule.name: handles.get(rule.filter) for rule in served.rules},
-                "db": db,
-                "records": store,
-                "tables": tables,
-                "follower": store.follower if cfg.feed else None,
-                "watchdog": store.watchdog,
-                "idempotency": Idempotency(
-                    redis, cfg.key_prefix, cfg.idempotency_ttl, cfg.idempotency_wait
-                ),
-            }
-            metrics.bind_queries(None)
-
     app = GuardApp(
         title="cuckoo-guard",
         version="0.1.0",
         summary="Cuckoo filters in Redis, and a guard that stops requests for absent keys",
-        lifespan=lifespan,
+        lifespan=partial(_lifespan, served, metrics, breaker, history),
         docs_url=None,  # served by _add_docs, from the package
         redoc_url=None,
     )
@@ -201,6 +149,87 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app, cfg.retry_after)
     add_routes(app, (health.router, filters.router, records.router, dashboard.router))
     _add_docs(app, cfg)
+    _add_guard(app, served, metrics, breaker, problem)
+    return app
+
+
+def _served(settings: Settings | None) -> tuple[ServiceRules, str | None]:
+    """The settings and route rules the service runs with, and the first problem with them
+    (reported when the app starts: importing app.main must never fail)."""
+    problem: str | None = None
+    if settings is None:
+        try:
+            settings = Settings()
+        except ValidationError as exc:
+            problem = describe(exc)
+            settings = Settings.model_construct()
+    problem = problem or startup_problem(settings)
+    # The route rules; a table-backed one puts the records store on its table.
+    served, rules_problem = rules_or_problem(settings)
+    return served, problem or rules_problem
+
+
+@asynccontextmanager
+async def _lifespan(
+    served: ServiceRules,
+    metrics: Metrics,
+    breaker: RedisBreaker,
+    history: dashboard.History,
+    app: FastAPI,
+) -> AsyncIterator[dict[str, Any]]:
+    """The clients and background work of a running service, in the state requests see."""
+    cfg = served.settings
+    if not logging.getLogger().handlers:  # leave a host's logging setup alone
+        logging.basicConfig(level=cfg.log_level, format="%(levelname)s %(name)s: %(message)s")
+    async with AsyncExitStack() as stack:
+        clients = await stack.enter_async_context(open_redis(cfg))
+        redis = clients.main
+        # The records subsystems, one per guarded table: filter, caches, follower,
+        # watchdog, rebuilds (app/records.py); the first serves /records.
+        tables = await stack.enter_async_context(
+            Tables.running(served.tables, clients, metrics, breaker, _open_database)
+        )
+        store = tables.primary
+        db = store.db
+        metrics.bind_queries(lambda: db.queries)
+        sampler = asyncio.create_task(
+            dashboard.sample(history, lambda: dashboard.counters(metrics, db))
+        )
+        stack.push_async_callback(cancel, sampler)
+        handles = FilterHandles(
+            redis,
+            cfg.key_prefix,
+            [s.filter for s in tables],
+            coalesce=cfg.lookup_coalescing,
+            on_rollback=partial(_rollback_met, metrics, tables),
+        )
+        yield {
+            "redis": redis,
+            "admin_redis": clients.admin,
+            "filters": handles,
+            "rule_filters": {rule.name: handles.get(rule.filter) for rule in served.rules},
+            "db": db,
+            "records": store,
+            "tables": tables,
+            "follower": store.follower if cfg.feed else None,
+            "watchdog": store.watchdog,
+            "idempotency": Idempotency(
+                redis, cfg.key_prefix, cfg.idempotency_ttl, cfg.idempotency_wait
+            ),
+        }
+        metrics.bind_queries(None)
+
+
+def _add_guard(
+    app: GuardApp,
+    served: ServiceRules,
+    metrics: Metrics,
+    breaker: RedisBreaker,
+    problem: str | None,
+) -> None:
+    """The guard on the app's own routes and on the gateway route, and the middleware around
+    them."""
+    cfg = served.settings
     # One decision for the app's own guarded routes and the gateway route.
     guard = Guard(
         filter=rule_filter,
@@ -226,7 +255,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.add_middleware(ConfigErrorGate, problem=problem)
     else:
         app.add_middleware(ConfigErrorLine)
-    return app
 
 
 def _add_docs(app: FastAPI, settings: Settings) -> None:
