@@ -57,3 +57,18 @@ def test_example_runs_as_written(number: int, redis_url: str, tmp_path: Path) ->
         )
         assert run.returncode == 0, run.stderr
         assert run.stdout.splitlines() == promised(program)
+
+
+# `pip install cuckoo-guard`, `pip install 'cuckoo-guard[server]'`: the package by its name,
+# which only a package index could answer (a path or a wheel file is what can be installed).
+FROM_AN_INDEX = re.compile(r"pip install +['\"]?cuckoo-guard\b")
+
+
+@pytest.mark.parametrize(
+    "doc", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name
+)
+def test_no_install_from_an_index_it_is_not_on(doc: Path) -> None:
+    """The project is not published: every install the docs show is from a checkout or a
+    built wheel."""
+    lines = [line for line in doc.read_text().splitlines() if FROM_AN_INDEX.search(line)]
+    assert not lines, lines
