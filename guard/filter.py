@@ -89,7 +89,13 @@ class FilterOps(Rollbacks, ChangeFeedHandle[FilterInfo]):
     """One filter's operations, as generators of calls: the handles' (and each shard's)."""
 
     def __init__(
-        self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, _shard: int | None = None
+        self,
+        redis: Any,
+        name: str,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        _shard: int | None = None,
+        _rollbacks: RollbackCounter | None = None,
     ) -> None:
         self.redis, self.name, self.prefix = redis, check_name(name), prefix
         self._shard = _shard
@@ -98,7 +104,8 @@ class FilterOps(Rollbacks, ChangeFeedHandle[FilterInfo]):
         self._read_command = "BITFIELD_RO"
         self._single: SingleRead | None = None  # the plan of one-item lookups, per layout
         self._read_scripts = True  # EVALSHA_RO for scripts that only read (Redis 7+)
-        self._rollbacks = RollbackCounter()  # a sharded filter's shards share their parent's
+        # A sharded filter's shards count into their parent's.
+        self._rollbacks = RollbackCounter() if _rollbacks is None else _rollbacks
         self._ages = Ages(name, _shard, self._rollbacks)  # the highest age read (guard/ages.py)
 
     def _age_memories(self) -> list[Ages]:

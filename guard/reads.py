@@ -254,7 +254,7 @@ class ReadPlan:
         it has one sub-filter (its chunks go unwrapped, each read on its own), else one for
         the whole MULTI, from each sub-filter's first command."""
         if len(self.subfilters) == 1:
-            return [(age_of(*reply[-AGE_VALUES:-1]), reply[-1]) for reply in replies]
+            return [SingleRead.age(reply) for reply in replies]
         items = deletes = applied = 0
         seen = set()
         for cmd, reply in zip(self.commands, replies, strict=True):

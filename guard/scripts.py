@@ -132,10 +132,9 @@ class BoundScripts(dict[str, Any]):
         return bound
 
 
-def register(client: Any) -> dict[str, Any]:
-    """One Script object per script defined so far, bound to ``client``."""
-    bound = BoundScripts(client)
-    return {name: bound[name] for name in PIECES}
+def register(client: Any) -> BoundScripts:
+    """The scripts' Script objects, bound to ``client`` when first asked for."""
+    return BoundScripts(client)
 
 
 # -- what Redis's error replies mean ---------------------------------------------------------

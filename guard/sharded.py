@@ -68,11 +68,11 @@ class ShardedOps(Rollbacks, FilterHandle[ShardedFilterInfo]):
     def __init__(self, redis: Any, name: str, prefix: str = DEFAULT_PREFIX, *, shards: int) -> None:
         SHARDS.check("shards", shards)
         self.redis, self.name, self.prefix, self.shards = redis, name, prefix, shards
-        self._handles = [FilterOps(redis, name, prefix, _shard=i) for i in range(shards)]
         self._rollbacks = RollbackCounter()  # every shard's rollbacks (guard/ages.py)
-        for i, handle in enumerate(self._handles):
-            handle._rollbacks = self._rollbacks
-            handle._ages = Ages(name, i, self._rollbacks)
+        self._handles = [
+            FilterOps(redis, name, prefix, _shard=i, _rollbacks=self._rollbacks)
+            for i in range(shards)
+        ]
         self._seed: int | None = None  # the routing seed, learned from the shards' headers
         self._live: ShardedOps | None = None  # what a staging copy replaces when promoted
 
