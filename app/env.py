@@ -33,6 +33,8 @@ ACCEPTED_REDIS_URLS = (
 # One place for every command and the service: `guard list` finds the filters `guard serve`
 # made, whatever the current folder.
 DEFAULT_DATA_DIR = user_data_dir("cuckoo-guard", appauthor=False)
+# The embedded Redis's RDB file in the data folder, unless GUARD_EMBEDDED_REDIS_FILE is set.
+REDIS_FILE = "redis.rdb"
 
 
 class RedisTarget(Protocol):
@@ -154,7 +156,7 @@ class EnvSettings:
 
     def __post_init__(self) -> None:
         if not self.embedded_redis_file:
-            object.__setattr__(self, "embedded_redis_file", str(self.data_dir / "redis.rdb"))
+            object.__setattr__(self, "embedded_redis_file", str(self.data_dir / REDIS_FILE))
 
     def capacity_for(self, rows: int) -> int:
         return capacity_for(rows, self.records_headroom, self.records_min_capacity)

@@ -14,6 +14,7 @@ from app.db.registry import backend_for
 from app.env import (  # the rules the commands' quick reader (app/env.py) applies too
     BOUNDS,
     DEFAULTS,
+    REDIS_FILE,
     capacity_for,
     missing_embedded_redis,
     redis_url_problem,
@@ -189,7 +190,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _files_in_data_dir(self) -> Settings:
         if not self.embedded_redis_file:
-            self.embedded_redis_file = str(self.data_dir / "redis.rdb")
+            self.embedded_redis_file = str(self.data_dir / REDIS_FILE)
         if not self.database_url:
             self.database_url = f"sqlite:///{self.data_dir / 'records.db'}"
         return self
