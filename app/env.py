@@ -5,7 +5,8 @@ is sized. The Redis-URL rules app/settings.py applies live here too, so both rea
 Building app.settings.Settings imports pydantic-settings, a quarter of a second on the dev
 machine: more than `guard check` needs for everything else. `read` takes a value only when it
 is plainly valid and raises `NotPlain` otherwise, so the caller can let Settings decide (and
-word its refusal); tests/cli/test_env.py holds both to the same values.
+word its refusal). Settings takes these settings' defaults and bounds from here (DEFAULTS,
+BOUNDS); tests/cli/test_env.py holds both readers to the same values.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ ACCEPTED_REDIS_URLS = (
 # One place for every command and the service: `guard list` finds the filters `guard serve`
 # made, whatever the current folder.
 DEFAULT_DATA_DIR = user_data_dir("cuckoo-guard", appauthor=False)
+# The embedded Redis's RDB file in the data folder, unless GUARD_EMBEDDED_REDIS_FILE is set.
+REDIS_FILE = "redis.rdb"
 
 
 class RedisTarget(Protocol):
@@ -82,25 +85,33 @@ _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 
 
-def _number(low: float, high: float = math.inf, *, above: bool = False) -> Callable[[str], float]:
-    """A float in [low, high] (low excluded when ``above``), written plainly."""
+@dataclass(frozen=True)
+class _Number:
+    """A number written plainly, within bounds named as pydantic's Field names them: Settings
+    declares the setting with the same ones (BOUNDS)."""
 
-    def parse(text: str) -> float:
-        value = float(text) if _NUMBER.fullmatch(text) else math.nan
-        if not (low < value if above else low <= value) or not value <= high:
+    gt: float | None = None
+    ge: float | None = None
+    le: float | None = None
+    whole: bool = False  # digits only: an int
+
+    def __call__(self, text: str) -> float:
+        if self.whole:
+            value: float = int(text) if text.isascii() and text.isdigit() else math.nan
+        else:
+            value = float(text) if _NUMBER.fullmatch(text) else math.nan
+        if (
+            math.isnan(value)
+            or (self.gt is not None and not value > self.gt)
+            or (self.ge is not None and not value >= self.ge)
+            or (self.le is not None and not value <= self.le)
+        ):
             raise NotPlain(text)
         return value
 
-    return parse
-
-
-def _count(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        if not text.isascii() or not text.isdigit() or int(text) < low:
-            raise NotPlain(text)
-        return int(text)
-
-    return parse
+    @property
+    def bounds(self) -> dict[str, float]:
+        return {k: v for k in ("gt", "ge", "le") if (v := getattr(self, k)) is not None}
 
 
 def _flag(text: str) -> bool:
@@ -134,21 +145,29 @@ class EnvSettings:
 
     redis_url: str = _setting("", _url)
     redis_cluster: bool = _setting(False, _flag)
-    redis_timeout: float = _setting(0.25, _number(0, above=True))
+    redis_timeout: float = _setting(0.25, _Number(gt=0))
     data_dir: Path = _setting(_DATA_DIR, Path)  # noqa: RUF009 (a field(), as the others)
     embedded_redis_file: str = _setting("")  # "" = <data_dir>/redis.rdb
     key_prefix: str = _setting(DEFAULT_PREFIX)
     records_filter: str = _setting("records", _name)
-    records_error_rate: float = _setting(0.001, _number(0, 0.001, above=True))
-    records_headroom: float = _setting(2.0, _number(1))
-    records_min_capacity: int = _setting(1024, _count(1))
+    records_error_rate: float = _setting(0.001, _Number(gt=0, le=0.001))
+    records_headroom: float = _setting(2.0, _Number(ge=1.0))
+    records_min_capacity: int = _setting(1024, _Number(ge=1, whole=True))
 
     def __post_init__(self) -> None:
         if not self.embedded_redis_file:
-            object.__setattr__(self, "embedded_redis_file", str(self.data_dir / "redis.rdb"))
+            object.__setattr__(self, "embedded_redis_file", str(self.data_dir / REDIS_FILE))
 
     def capacity_for(self, rows: int) -> int:
         return capacity_for(rows, self.records_headroom, self.records_min_capacity)
+
+
+# Each quick-read setting's default, and bounds as pydantic's Field takes them: Settings
+# declares these settings with them, so the two readers have one source.
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EnvSettings)}
+BOUNDS: dict[str, dict[str, float]] = {
+    f.name: getattr(f.metadata["parse"], "bounds", {}) for f in fields(EnvSettings)
+}
 
 
 def read(**given: str) -> EnvSettings:

