@@ -246,7 +246,7 @@ def _add_guard(
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     # Outside the guard and the routes: they only ever see the server's lossy decoding.
     app.add_middleware(Utf8Middleware, routes=app.router.routes)
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, guarded_route="/records/{key}")
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     # Every proxied request's hop: answered before anything else runs (app/gateway.py).
     app.gateway = GatewayRoute(
         rules=served.rules, guard=guard, retry_after=cfg.retry_after, on_request=metrics.request

@@ -229,10 +229,9 @@ class Metrics:
 class RequestMetricsMiddleware:
     """Counts and times every HTTP request by route template (not raw path: bounded labels)."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, guarded_route: str) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
-        self.guarded_route = guarded_route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -260,6 +259,4 @@ class RequestMetricsMiddleware:
         # Answered before routing: by the guard (blocked, rejected: its rule's path) or the
         # body limit.
         rule = scope.get("guard.rule")
-        if rule is not None:
-            return str(rule.path)
-        return self.guarded_route if "guard.decision" in scope else "unrouted"
+        return "unrouted" if rule is None else str(rule.path)
