@@ -127,6 +127,14 @@ class FilterHandles:
             self._handles.popitem(last=False)
         return handle
 
+    def pin(self, name: str) -> CuckooFilter:
+        """`get`, kept for the service's life: a rule's filter, whose handle the guard holds,
+        so the API and /health (`rolled_back`) never use another one for it."""
+        handle = self.get(name)
+        self._handles.pop(name, None)
+        self._pinned[name] = handle
+        return handle
+
     def rolled_back(self) -> list[str]:
         """The filters whose lookups answer "maybe present" since a rollback (guard/ages.py)."""
         handles = [*self._pinned.values(), *self._handles.values()]

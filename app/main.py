@@ -207,7 +207,7 @@ async def _lifespan(
             "redis": redis,
             "admin_redis": clients.admin,
             "filters": handles,
-            "rule_filters": {rule.name: handles.get(rule.filter) for rule in served.rules},
+            "rule_filters": {rule.name: handles.pin(rule.filter) for rule in served.rules},
             "db": db,
             "records": store,
             "tables": tables,
