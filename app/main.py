@@ -121,9 +121,9 @@ def _rollback_met(metrics: Metrics, tables: Tables, rollback: Rollback) -> None:
         rollback.applied,
         rollback.highest_applied,
     )
-    for store in tables:
-        if store.filter.name == rollback.filter and store.watchdog is not None:
-            store.watchdog.rollback_met(rollback.applied, rollback.highest_applied)
+    store = tables.of_filter(rollback.filter)
+    if store is not None and store.watchdog is not None:
+        store.watchdog.rollback_met(rollback.applied, rollback.highest_applied)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
