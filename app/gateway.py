@@ -70,7 +70,7 @@ FORWARD = Convention(
     (503, UNAVAILABLE),
 )
 ENVOY_HTTP = Convention(ENVOY, None, (404, NOT_FOUND), (503, UNAVAILABLE))
-CONVENTIONS = {"/authz/nginx": NGINX, "/authz/forward": FORWARD}
+CONVENTIONS = {c.route: c for c in (NGINX, FORWARD)}  # by path; Envoy's is a prefix
 
 
 class Unreadable(Exception):
