@@ -21,7 +21,6 @@ from app.metrics import Metrics
 from app.openapi import LIMIT_KEY
 from app.records import RecordStore, Tables
 from app.settings import Settings
-from app.watchdog import Watchdog
 from guard import CuckooFilter
 from guard.ages import Rollback
 from guard.names import NAME_PATTERN as FILTER_NAME
@@ -79,12 +78,6 @@ async def get_idempotency(request: Request) -> Idempotency:
     return idem
 
 
-async def get_watchdog(request: Request) -> Watchdog | None:
-    """The records filter's watchdog; None when GUARD_WATCHDOG is off."""
-    watchdog: Watchdog | None = getattr(request.state, "watchdog", None)
-    return watchdog
-
-
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 RedisDep = Annotated[aioredis.Redis, Depends(get_redis)]
@@ -92,7 +85,6 @@ DbDep = Annotated[Database, Depends(get_db)]
 RecordsDep = Annotated[RecordStore, Depends(get_records)]
 TablesDep = Annotated[Tables, Depends(get_tables)]
 IdempotencyDep = Annotated[Idempotency, Depends(get_idempotency)]
-WatchdogDep = Annotated[Watchdog | None, Depends(get_watchdog)]
 FilterName = Annotated[str, Path(pattern=NAME_PATTERN, description="Filter name")]
 # A record key in the path; check_item enforces what the schema states.
 ItemPath = Annotated[str, Path(json_schema_extra={LIMIT_KEY: "item"})]
@@ -133,6 +125,14 @@ class FilterHandles:
         self._handles[name] = handle  # most recently used last
         if len(self._handles) > self.MAX:
             self._handles.popitem(last=False)
+        return handle
+
+    def pin(self, name: str) -> CuckooFilter:
+        """`get`, kept for the service's life: a rule's filter, whose handle the guard holds,
+        so the API and /health (`rolled_back`) never use another one for it."""
+        handle = self.get(name)
+        self._handles.pop(name, None)
+        self._pinned[name] = handle
         return handle
 
     def rolled_back(self) -> list[str]:

@@ -70,7 +70,7 @@ FORWARD = Convention(
     (503, UNAVAILABLE),
 )
 ENVOY_HTTP = Convention(ENVOY, None, (404, NOT_FOUND), (503, UNAVAILABLE))
-CONVENTIONS = {"/authz/nginx": NGINX, "/authz/forward": FORWARD}
+CONVENTIONS = {c.route: c for c in (NGINX, FORWARD)}  # by path; Envoy's is a prefix
 
 
 class Unreadable(Exception):
@@ -155,15 +155,14 @@ class GatewayRoute:
         key = found.key if PLAIN_KEY.fullmatch(found.key) else quote(found.key, safe="")
         if len(key) > MAX_ECHOED_KEY:
             key = ""  # nginx reads an answer's headers into 4 KiB: it would fail the request
-        if decision == BLOCKED:
-            status, body = convention.blocked
-        elif decision == REJECTED:
-            status, body = convention.rejected
-        else:
-            assert decision in (PASSED, BYPASSED), decision
+        if decision in (PASSED, BYPASSED):
             return _passing(decision, rule, key)
         headers = _named(decision, rule, key)
-        if decision == REJECTED:
+        if decision == BLOCKED:
+            status, body = convention.blocked
+        else:
+            assert decision == REJECTED, decision
+            status, body = convention.rejected
             headers.append((b"retry-after", self.retry_after))
         return status, headers, body
 

@@ -121,9 +121,9 @@ def _rollback_met(metrics: Metrics, tables: Tables, rollback: Rollback) -> None:
         rollback.applied,
         rollback.highest_applied,
     )
-    for store in tables:
-        if store.filter.name == rollback.filter and store.watchdog is not None:
-            store.watchdog.rollback_met(rollback.applied, rollback.highest_applied)
+    store = tables.of_filter(rollback.filter)
+    if store is not None and store.watchdog is not None:
+        store.watchdog.rollback_met(rollback.applied, rollback.highest_applied)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -207,7 +207,7 @@ async def _lifespan(
             "redis": redis,
             "admin_redis": clients.admin,
             "filters": handles,
-            "rule_filters": {rule.name: handles.get(rule.filter) for rule in served.rules},
+            "rule_filters": {rule.name: handles.pin(rule.filter) for rule in served.rules},
             "db": db,
             "records": store,
             "tables": tables,
@@ -246,7 +246,7 @@ def _add_guard(
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     # Outside the guard and the routes: they only ever see the server's lossy decoding.
     app.add_middleware(Utf8Middleware, routes=app.router.routes)
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, guarded_route="/records/{key}")
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     # Every proxied request's hop: answered before anything else runs (app/gateway.py).
     app.gateway = GatewayRoute(
         rules=served.rules, guard=guard, retry_after=cfg.retry_after, on_request=metrics.request

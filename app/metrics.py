@@ -145,6 +145,7 @@ class Metrics:
         # the request series are kept here by (route, method, status) instead.
         self._request_series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
         self._decision_series: dict[str, Counter] = {}
+        self._stale_reasons: dict[str, str] = {}  # filter -> its series in stale_gauge
         self._queries = _QueryCollector()
         r.register(self._queries)
         self.stats = Stats()
@@ -189,9 +190,13 @@ class Metrics:
         self.filter_failures.labels(where, reason).inc()
 
     def filter_stale(self, name: str, reason: str | None) -> None:
-        """The watchdog's verdict: stale for `reason` (an incident begins), or trusted."""
-        self.stale_gauge.clear()
+        """A watchdog's verdict on filter `name`: stale for `reason` (an incident begins), or
+        trusted. Only its own series changes: every guarded table has a watchdog."""
+        old = self._stale_reasons.pop(name, None)
+        if old is not None:
+            self.stale_gauge.remove(name, old)
         if reason is not None:
+            self._stale_reasons[name] = reason
             self.stale_gauge.labels(name, reason).set(1)
             self.stale_incidents.labels(name, reason).inc()
 
@@ -229,10 +234,9 @@ class Metrics:
 class RequestMetricsMiddleware:
     """Counts and times every HTTP request by route template (not raw path: bounded labels)."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, guarded_route: str) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
-        self.guarded_route = guarded_route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -260,6 +264,4 @@ class RequestMetricsMiddleware:
         # Answered before routing: by the guard (blocked, rejected: its rule's path) or the
         # body limit.
         rule = scope.get("guard.rule")
-        if rule is not None:
-            return str(rule.path)
-        return self.guarded_route if "guard.decision" in scope else "unrouted"
+        return "unrouted" if rule is None else str(rule.path)

@@ -101,13 +101,21 @@ def check_for_service(rules: Rules) -> None:
 
 @dataclass(frozen=True)
 class ServiceRules:
-    """The rules a service runs, its settings (the records table's), and a view of the
-    settings for each table the rules follow, the records table's first."""
+    """The rules a service runs, and a view of the settings for each table the rules follow,
+    the records table's first."""
 
     rules: Rules
-    settings: Settings
-    path: str | None  # the rules file, None for the built-in rule
-    tables: tuple[Settings, ...] = ()
+    tables: tuple[Settings, ...]
+
+    @classmethod
+    def builtin(cls, settings: Settings) -> ServiceRules:
+        """The built-in rule, on the settings' records table."""
+        return cls(default_rules(settings), (settings,))
+
+    @property
+    def settings(self) -> Settings:
+        """The service's settings: the records table's view."""
+        return self.tables[0]
 
     @property
     def table_rule(self) -> Rule | None:
@@ -117,13 +125,13 @@ class ServiceRules:
 def service_rules(settings: Settings) -> ServiceRules:
     """GUARD_RULES read and checked, or the built-in rule; RulesError names the setting."""
     if not settings.rules:
-        return ServiceRules(default_rules(settings), settings, None, (settings,))
+        return ServiceRules.builtin(settings)
     try:
         rules = read_rules(settings.rules, fail_open=settings.fail_open)
         store = _store_settings(rules, settings)
     except RulesError as exc:
         raise RulesError(f"GUARD_RULES: {exc}") from None
-    return ServiceRules(rules, store, settings.rules, _table_views(rules, store))
+    return ServiceRules(rules, _table_views(rules, store))
 
 
 def _table_views(rules: Rules, store: Settings) -> tuple[Settings, ...]:
@@ -184,7 +192,7 @@ def rules_or_problem(settings: Settings) -> tuple[ServiceRules, str | None]:
     try:
         return service_rules(settings), None
     except RulesError as exc:
-        return ServiceRules(default_rules(settings), settings, None, (settings,)), str(exc)
+        return ServiceRules.builtin(settings), str(exc)
 
 
 def rule_filter(scope: Any) -> Any:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from app.metrics import Metrics
 from tests.app.conftest import AUTH, Service, StartService, until
 from tests.app.dbs import Other
 
@@ -127,3 +128,14 @@ class TestTables:
         assert await decision(svc, "/api/orders/A-2") == "passed"
         assert orders.watchdog.opened == 1
         assert svc.state["tables"].of_table("users").watchdog.opened == 0
+
+
+def test_a_table_trusted_again_leaves_another_tables_stale_gauge() -> None:
+    """Every table's watchdog reports to one guard_filter_stale: each changes its own series."""
+    metrics = Metrics()
+    metrics.filter_stale("orders", "missing")
+    metrics.filter_stale("users", "lag")
+    metrics.filter_stale("users", None)
+    text = metrics.render().decode()
+    stale = [line for line in text.splitlines() if line.startswith("guard_filter_stale{")]
+    assert stale == ['guard_filter_stale{filter="orders",reason="missing"} 1.0']
