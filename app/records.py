@@ -88,34 +88,24 @@ class RecordStore:
         self.staging = self.rebuilder.staging
         self.watchdog: Watchdog | None = None  # set by running() when GUARD_WATCHDOG is on
 
-    @classmethod
     @asynccontextmanager
-    async def running(
-        cls,
-        redis: aioredis.Redis,
-        db: Database,
-        settings: Settings,
-        metrics: Metrics,
-        breaker: RedisBreaker | None = None,
-        admin: aioredis.Redis | None = None,
-    ) -> AsyncIterator[RecordStore]:
-        """A store whose background work runs during the block: the start-up rebuild
+    async def running(self) -> AsyncIterator[RecordStore]:
+        """This store, its background work running during the block: the start-up rebuild
         (retried while Redis is away), the follower (GUARD_FEED; with it off here, `guard
         follow` elsewhere, the follower still serves this process's writes and the
         watchdog's repairs) and the watchdog (GUARD_WATCHDOG)."""
-        store = cls(redis, db, settings, metrics, breaker, admin)
         async with AsyncExitStack() as stack:
-            if settings.rebuild_on_startup and not await store._rebuild_once():
-                stack.push_async_callback(cancel, asyncio.create_task(store._rebuild_later()))
-            if settings.feed:
-                stack.push_async_callback(cancel, asyncio.create_task(store.follower.run()))
-            if settings.watchdog:
-                store.watchdog = store._watchdog(metrics)
-                await store.watchdog.start()
-                stack.push_async_callback(cancel, asyncio.create_task(store.watchdog.run()))
-            yield store
+            if self.settings.rebuild_on_startup and not await self._rebuild_once():
+                stack.push_async_callback(cancel, asyncio.create_task(self._rebuild_later()))
+            if self.settings.feed:
+                stack.push_async_callback(cancel, asyncio.create_task(self.follower.run()))
+            if self.settings.watchdog:
+                self.watchdog = self._watchdog()
+                await self.watchdog.start()
+                stack.push_async_callback(cancel, asyncio.create_task(self.watchdog.run()))
+            yield self
 
-    def _watchdog(self, metrics: Metrics) -> Watchdog:
+    def _watchdog(self) -> Watchdog:
         cfg = self.settings
         watchdog = Watchdog(
             self.filter,
@@ -128,7 +118,7 @@ class RecordStore:
                 audit_interval=cfg.audit_interval,
                 audit_sample=cfg.audit_sample,
             ),
-            metrics=metrics,
+            metrics=self.metrics,
         )
         # A replay about to mend a rolled-back filter shows the watchdog its id first; a
         # change the filter had no room for makes it stale at once.
@@ -259,9 +249,6 @@ class Tables:
                 seeded = await db.seed(view.demo_records)
                 if seeded:
                     log.info("seeded %d demo records into %s", seeded, view.records_table)
-                stores.append(
-                    await stack.enter_async_context(
-                        RecordStore.running(clients.main, db, view, metrics, breaker, clients.admin)
-                    )
-                )
+                store = RecordStore(clients.main, db, view, metrics, breaker, clients.admin)
+                stores.append(await stack.enter_async_context(store.running()))
             yield cls(stores)

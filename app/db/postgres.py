@@ -653,6 +653,14 @@ class PostgresDatabase(BaseDatabase):
         return changes
 
     async def _read_after(self, after: int, limit: int) -> list[Change]:
+        # Most batches are small: read them at once, and look the batch of `after + 1` up only
+        # when that read does not start there (a big batch, the end, or compacted). One
+        # round trip a read, not two; a big batch's next piece goes to its cursor directly.
+        cursor = self._cursor
+        if cursor is None or cursor.position != after:
+            changes = await self._read_small(after, limit)
+            if changes:
+                return changes
         n = self._names
         self.feed_queries += 1
         found = await self._feed().fetchrow(
@@ -666,6 +674,12 @@ class PostgresDatabase(BaseDatabase):
         tick, base, last = int(found["tick"]), int(found["base"]), int(found["last"])
         if last - base > BIG_BATCH:
             return await self._read_big(tick, after, last, limit)
+        return await self._read_small(after, limit)
+
+    async def _read_small(self, after: int, limit: int) -> list[Change]:
+        """The changes from `after + 1` on, at most `limit`, of batches of at most BIG_BATCH
+        changes; [] when `after + 1` is in none of them."""
+        n = self._names
         # Every batch that holds a position in (after, after + limit], each event numbered
         # from its batch's base, in one statement (one snapshot: a compaction is all or none).
         self.feed_queries += 1
