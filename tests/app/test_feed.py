@@ -84,7 +84,7 @@ class TestFollower:
         real_wait = svc.db.wait_for_change
         failures = 0
 
-        async def wait_or_fail(after: int, timeout: float) -> bool:
+        async def wait_or_fail(after: int, timeout: float) -> int | None:
             nonlocal failures
             if failures < 2:
                 failures += 1
