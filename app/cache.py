@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
 
 from app.db import Database
 from app.metrics import Metrics
@@ -31,30 +31,36 @@ from guard.errors import RedisUnreachable
 log = logging.getLogger(__name__)
 # Cache entries: b"+" + the row's JSON text, or b"-" for "no such row" (negative entry).
 _NEGATIVE = b"-"
-_VERSION_TTL_MS = 3_600_000  # far longer than any read that could still be in flight
-UNKNOWN = b"?"  # the version when Redis could not be asked (never a counter's value)
+# A key's version lives while loads of it may be in flight: a load that takes longer finds it
+# gone and does not cache what it read (a version is random, so a newer one never matches).
+_VERSION_TTL_MS = 60_000
+UNKNOWN = b"?"  # the version when Redis could not be asked (never a stored version)
 
-# KEYS[1] the key's version counter, KEYS[2] its cache entry
-# ARGV[1] version read before the database query ("" when there was none)
+# KEYS[1] the key's version, KEYS[2] its cache entry
+# ARGV[1] a new random version, ARGV[2] the version's TTL in milliseconds
+# Reply: {false, entry} when cached; else {version, false}: the version a load must still find
+# when it stores what it read, made now from ARGV[1] when no load in flight made one. Only a
+# miss writes, and only loads leave versions behind (a change does not: it deletes them).
+_READ = """
+local entry = redis.call('GET', KEYS[2])
+if entry then return {false, entry} end
+local version = redis.call('GET', KEYS[1])
+if not version then
+  version = ARGV[1]
+  redis.call('SET', KEYS[1], version, 'PX', ARGV[2])
+end
+return {version, false}
+"""
+
+# KEYS[1] the key's version, KEYS[2] its cache entry
+# ARGV[1] the version the load began with
 # ARGV[2] the entry's TTL in milliseconds, ARGV[3] the entry
-# Reply: 1 stored; 0 a write bumped the version meanwhile, so the loaded value may be stale.
+# Reply: 1 stored; 0 a change deleted the version meanwhile, so the loaded value may be stale.
 _SET_IF_UNCHANGED = """
 local seen = redis.call('GET', KEYS[1]) or ''
 if seen ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
 return 1
-"""
-
-# KEYS: version counter 1, cache entry 1, version counter 2, entry 2, ...
-# ARGV[1]: the counters' TTL in milliseconds. Reply: the number of keys.
-# Bumps each version (a load in flight won't cache what it read) and drops each entry.
-_FORGET = """
-for i = 1, #KEYS, 2 do
-  redis.call('INCR', KEYS[i])
-  redis.call('PEXPIRE', KEYS[i], ARGV[1])
-  redis.call('DEL', KEYS[i + 1])
-end
-return #KEYS / 2
 """
 
 
@@ -86,8 +92,11 @@ class SingleFlight:
 
 
 class RecordCache:
-    """Rows read through a Redis cache: each key's entry beside a version counter that every
-    write bumps, so a load that started before a write never caches what it read."""
+    """Rows read through a Redis cache: a load registers a random version beside the key's
+    entry, and stores what it read only if that version is still there; a change deletes
+    both, so a load that started before a change never caches what it read. (Versions
+    bumped by every change instead outlived it: an hour of every changed key's counter in
+    Redis.)"""
 
     def __init__(
         self,
@@ -104,11 +113,9 @@ class RecordCache:
         self.breaker = breaker
         # Per filter: two guarded tables may both have a row "42".
         self._prefix = f"{settings.key_prefix}app:cache:{settings.records_filter}:"
+        self._read = FlushSafeScript(redis, _READ)
         self._set_if_unchanged = FlushSafeScript(redis, _SET_IF_UNCHANGED)
-        self._forget = FlushSafeScript(redis, _FORGET)
         self._flight = SingleFlight()
-        # A cluster takes a script's keys from one slot only; records spread over slots.
-        self._cluster = isinstance(redis, RedisCluster)
 
     @property
     def enabled(self) -> bool:
@@ -127,7 +134,9 @@ class RecordCache:
         cached = None
         if self.enabled and not self.breaker.open:
             try:
-                version, cached = await self.redis.mget(version_key, cache_key)
+                version, cached = await self._read(
+                    keys=[version_key, cache_key], args=[os.urandom(8).hex(), _VERSION_TTL_MS]
+                )
             except RedisUnreachable:
                 self._failed()
         if cached is not None:
@@ -171,30 +180,19 @@ class RecordCache:
         self.breaker.trip()
 
     async def invalidate(self, key: str) -> None:
-        """Drop the cached entry and bump the version so an in-flight load won't re-cache it."""
-        version_key, cache_key = self._keys(key)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.incr(version_key)
-            pipe.pexpire(version_key, _VERSION_TTL_MS)
-            pipe.delete(cache_key)
-            await pipe.execute()
+        """Drop the cached entry and the version, so an in-flight load won't re-cache it."""
+        await self.redis.delete(*self._keys(key))
 
     async def changed(self, changes: Sequence[Change]) -> None:
-        """Before the filter applies `changes`: drop their keys' entries, and bump their
-        versions so that a load in flight does not cache what it read before the change."""
+        """Before the filter applies `changes`: drop their keys' entries and versions, so that
+        a load in flight does not cache what it read before the change."""
         keys: list[str] = []
         for change in changes:
             item = change.item
             keys.extend(self._keys(item if isinstance(item, str) else item.decode()))
-        if self._cluster:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for version_key, cache_key in zip(keys[::2], keys[1::2], strict=True):
-                    pipe.incr(version_key)
-                    pipe.pexpire(version_key, _VERSION_TTL_MS)
-                    pipe.delete(cache_key)
-                await pipe.execute()
-        elif keys:
-            await self._forget(keys=keys, args=[_VERSION_TTL_MS])
+        if keys:
+            # One command (a cluster client splits it by slot).
+            await self.redis.delete(*keys)
 
     async def written(self, key: str) -> None:
         """After a write of `key` committed: loads started without Redis (version unknown)

@@ -222,27 +222,33 @@ class Follower:
                 return self.applied
             self._rounds_begun += 1
             begun = self._rounds_begun
-            try:
-                await self._one_round(None if from_filter or self.problem else self.applied)
-            except Exception as exc:
-                for callback in self._failure_callbacks:
-                    await callback(exc)
-                raise
+            await self._one_round(None if from_filter or self.problem else self.applied)
             self._rounds_done = begun
             return self.applied
 
-    async def _one_round(self, after: int | None) -> None:
-        """Apply the changes up to the newest one (ticked now), starting from ``after`` (where
-        the filter stood after our last round) or, if None, from the filter's own id."""
-        source = await self.source()
-        newest = await self.db.newest_change()
+    async def _advance(self, newest: int) -> int:
+        """Apply the changes up to ``newest`` (a tick just taken) from where our last round
+        left the filter. Not a round sync() callers can share: its tick may predate them."""
+        async with self._round:
+            await self._one_round(None if self.problem else self.applied, newest)
+            return self.applied
+
+    async def _one_round(self, after: int | None, newest: int | None = None) -> None:
+        """Apply the changes up to ``newest`` (None: ticked now), starting from ``after``
+        (where the filter stood after our last round) or, if None, from the filter's own id."""
         try:
+            source = await self.source()
+            if newest is None:
+                newest = await self.db.newest_change()
             self.applied = await replay(
                 self.cf, self.db, source, batch=self.batch, upto=newest, after=after,
                 observe=self._observe, before_apply=self.before_apply,
             )  # fmt: skip
-        except OtherSource:
-            self._source = None  # read again next time: the log may have been re-installed
+        except Exception as exc:
+            if isinstance(exc, OtherSource):
+                self._source = None  # read again next time: the log may have been re-installed
+            for callback in self._failure_callbacks:
+                await callback(exc)
             raise
 
     async def compact(self) -> int:
@@ -265,14 +271,15 @@ class Follower:
     async def run(self) -> None:
         """Follow the feed until cancelled; failures are logged once each and retried."""
         last_compaction = 0.0
-        woken = False
+        newest: int | None = None
         while True:
             _stop_if_cancelled()
             try:
-                # Woken by a change: read the feed from where the filter stood after our last
-                # round (one round trip less per change). Otherwise (a timeout, a failure)
-                # ask the filter: it may have been restored from an older copy meanwhile.
-                applied = await (self.sync() if woken else self.catch_up())
+                # After a tick that found changes: read the feed up to it, from where the
+                # filter stood after our last round (one round trip less per change). Otherwise
+                # (a timeout, a failure) ask the filter: it may have been restored from an
+                # older copy meanwhile.
+                applied = await (self.catch_up() if newest is None else self._advance(newest))
                 if time.monotonic() - last_compaction >= self.compact_every:
                     last_compaction = time.monotonic()
                     await self.compact()
@@ -281,12 +288,12 @@ class Follower:
                     log.info("filter %s follows the change feed again (at %d)", self.cf.name,
                              applied)  # fmt: skip
                     self.problem = None
-                woken = await self.db.wait_for_change(applied, IDLE_WAIT_S)
+                newest = await self.db.wait_for_change(applied, IDLE_WAIT_S)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the database or Redis away, the filter unfit: retried
                 _stop_if_cancelled()
-                woken = False
+                newest = None
                 await self._failed(exc)
                 await asyncio.sleep(RETRY_S)
 

@@ -16,6 +16,7 @@ one uvicorn worker; nginx keeps its connections to the guard and the backend ope
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ from bench.markdown import table
 from bench.suite import Target
 from devkit.gateways import Nginx, start_backend, start_nginx, start_nginx_gateway
 from devkit.processes import HttpProcess, free_port
+from guard.connect import connect_async
 
 ROWS = 10_000  # demo records user-1 .. user-N: the present keys
 
@@ -53,6 +55,24 @@ def bare_app() -> Any:
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
+            await send(ok if scope["path"] == "/health" else no_content)
+            await send(body)
+
+    return app
+
+
+def redis_app() -> Any:
+    """`uvicorn bench.gateway:redis_app --factory`: as `bare_app`, after one Redis GET per
+    request (redis-py's asyncio client, as the guard uses it; GUARD_REDIS_URL): the least an
+    authorisation hop that asks Redis costs, before it looks anything up."""
+    redis = connect_async(os.environ["GUARD_REDIS_URL"])
+    no_content: dict[str, Any] = {"type": "http.response.start", "status": 204, "headers": []}
+    ok: dict[str, Any] = {"type": "http.response.start", "status": 200, "headers": []}
+    body: dict[str, Any] = {"type": "http.response.body", "body": b""}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await redis.get("bench:gateway:nothing")
             await send(ok if scope["path"] == "/health" else no_content)
             await send(body)
 
@@ -97,11 +117,13 @@ def cases(s: Scale) -> list[perf_http.WrkCase]:
         case("a-alone", "blocked: nginx answering 404 itself", "alone", absent, s.busy),
         case("b-guard", "present: nginx + guard -> backend", "gateway", present, s.moderate),
         case("b-direct", "present: nginx -> backend", "direct", present, s.moderate),
+        case("b-bare", "present: nginx + bare hop -> backend", "barehop", present, s.moderate),
         case("c-route", "route, present key", "guard", "/authz/nginx", s.busy, headers=asked),
         case(
             "c-absent", "route, absent key", "guard", "/authz/nginx", s.busy, headers=asked_absent
         ),
         case("c-bare", "bare ASGI app, 204", "bare", "/authz/nginx", s.busy),
+        case("c-redis", "bare ASGI app, one Redis GET, 204", "redis", "/authz/nginx", s.busy),
     ]
 
 
@@ -126,18 +148,27 @@ def measure(target: Target, quick: bool) -> dict[str, Any]:
             stop.append(guard)
             bare = perf_http.start_uvicorn("bare", "bench.gateway:bare_app", {}, "/health", work)
             stop.append(bare)
+            redis_hop = perf_http.start_uvicorn(
+                "redis", "bench.gateway:redis_app", {"GUARD_REDIS_URL": target.url}, "/health",
+                work,
+            )  # fmt: skip
+            stop.append(redis_hop)
             backend = start_backend(work / "backend")
             stop.append(backend)
             servers: dict[str, HttpProcess | Nginx] = {
                 "guard": guard,
                 "bare": bare,
+                "redis": redis_hop,
                 "gateway": start_nginx_gateway(
                     work / "gateway", f"127.0.0.1:{guard.port}", f"127.0.0.1:{backend.port}"
+                ),
+                "barehop": start_nginx_gateway(
+                    work / "barehop", f"127.0.0.1:{bare.port}", f"127.0.0.1:{backend.port}"
                 ),
                 "alone": nginx_alone(work / "alone"),
                 "direct": nginx_direct(work / "direct", backend),
             }
-            stop += [servers["gateway"], servers["alone"], servers["direct"]]
+            stop += [servers[k] for k in ("gateway", "barehop", "alone", "direct")]
             return {
                 "wrk": _wrk_rounds(s, servers, work),
                 "sequential": _sequential(s, servers),
@@ -169,11 +200,16 @@ def _wrk_rounds(s: Scale, servers: dict[str, Any], work: Path) -> dict[str, perf
 
 
 def _sequential(s: Scale, servers: dict[str, Any]) -> dict[str, list[float]]:
+    blocks = max(2, s.sequential // 100)
     guarded, direct = perf_http.interleaved_latency(
         (servers["gateway"].port, servers["direct"].port), "/records/user-%d", ROWS,
-        blocks=max(2, s.sequential // 100), per_block=100,
+        blocks=blocks, per_block=100,
     )  # fmt: skip
-    return {"guard": guarded, "direct": direct}
+    bare, direct_again = perf_http.interleaved_latency(
+        (servers["barehop"].port, servers["direct"].port), "/records/user-%d", ROWS,
+        blocks=blocks, per_block=100,
+    )  # fmt: skip
+    return {"guard": guarded, "direct": direct, "bare": bare, "direct_again": direct_again}
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -193,7 +229,11 @@ def report(m: dict[str, Any]) -> str:
     added99 = w["b-guard"].p99_ms - w["b-direct"].p99_ms
     seq50 = p(seq["guard"], 50) - p(seq["direct"], 50)
     seq99 = p(seq["guard"], 99) - p(seq["direct"], 99)
+    bare50 = w["b-bare"].p50_ms - w["b-direct"].p50_ms
+    bare99 = w["b-bare"].p99_ms - w["b-direct"].p99_ms
+    bare_seq99 = p(seq["bare"], 99) - p(seq["direct_again"], 99)
     route = w["c-route"].rps / w["c-bare"].rps
+    redis_floor = w["c-redis"].rps / w["c-bare"].rps
     head = ["case", "connections", "requests/s", "p50 ms", "p99 ms", "non-2xx"]
 
     def row(key: str) -> list[str]:
@@ -234,7 +274,18 @@ def report(m: dict[str, Any]) -> str:
                     f"{seq50:+.2f} / {seq99:+.2f} ms",
                     "<= 1 ms p99",
                 ],
+                [
+                    f"(b) for scale: p50 / p99 added by a bare ASGI hop (204, no lookup), "
+                    f"{s.moderate} connections; p99 at one sequential connection",
+                    f"{bare50:+.2f} / {bare99:+.2f} ms; {bare_seq99:+.2f} ms",
+                    "",
+                ],
                 ["(c) /authz/nginx requests/s / bare ASGI 204", f"{route:.2f}x", ">= 0.5x"],
+                [
+                    "(c) for scale: bare ASGI app after one Redis GET / bare ASGI 204",
+                    f"{redis_floor:.2f}x",
+                    "",
+                ],
             ],
         ),
         "",
@@ -247,7 +298,7 @@ def report(m: dict[str, Any]) -> str:
         "",
         "## (b) Present keys: what the guard hop adds",
         "",
-        table(head, [row("b-guard"), row("b-direct")]),
+        table(head, [row("b-guard"), row("b-direct"), row("b-bare")]),
         "",
         table(
             ["one sequential connection", "requests", "p50 ms", "p99 ms"],
@@ -256,20 +307,26 @@ def report(m: dict[str, Any]) -> str:
                 for name, v in (
                     ("nginx + guard -> backend", seq["guard"]),
                     ("nginx -> backend", seq["direct"]),
+                    ("nginx + bare ASGI hop -> backend", seq["bare"]),
+                    ("nginx -> backend (taken in turns with the bare hop)", seq["direct_again"]),
                 )
             ],
         ),
         "",
         "The sequential requests alternate between the two in blocks of 100, so what drifts "
-        "on the machine falls on both.",
+        "on the machine falls on both. The bare ASGI hop is `bench.gateway:bare_app` (204 "
+        "for anything) behind the same nginx config as the guard: what any hop on uvicorn "
+        "adds before it does any work.",
         "",
         "## (c) The authorisation route against a bare ASGI app",
         "",
-        table(head, [row("c-route"), row("c-absent"), row("c-bare")]),
+        table(head, [row("c-route"), row("c-absent"), row("c-bare"), row("c-redis")]),
         "",
         "wrk straight at the guard's `/authz/nginx` with `X-Original-URI` and "
         "`X-Original-Method` (one filter lookup, coalesced with the concurrent ones; the "
         "absent key's answer is 403), against `bench.gateway:bare_app` answering 204 on "
-        "uvicorn with the same flags.",
+        "uvicorn with the same flags, and `bench.gateway:redis_app`: the same after one "
+        "Redis GET per request (redis-py's asyncio client, not coalesced), the least a hop "
+        "that asks Redis pays before it looks anything up.",
     ]
     return "\n".join(lines)

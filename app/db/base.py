@@ -97,8 +97,8 @@ class Database(Protocol):
         `limit` (fewer does not mean the end: read again from the last one)."""
         ...
 
-    async def wait_for_change(self, after: int, timeout: float) -> bool:
-        """True as soon as newest_change() > after, False after `timeout` seconds."""
+    async def wait_for_change(self, after: int, timeout: float) -> int | None:
+        """newest_change() as soon as it is past `after`; None after `timeout` seconds."""
         ...
 
     async def compact(self, upto: int) -> int:

@@ -129,13 +129,13 @@ class TestFeed:
 
     async def test_wait_for_change(self, open_db: OpenDb, other: Other) -> None:
         db = await open_db()
-        assert await db.wait_for_change(0, 0.05) is False
+        assert await db.wait_for_change(0, 0.05) is None
         waiter = asyncio.create_task(db.wait_for_change(0, 30))
         await asyncio.sleep(0.05)
         assert not waiter.done()
         await other("INSERT INTO records (key, value) VALUES ('x', '1')")
-        assert await waiter is True
-        assert await db.wait_for_change(0, 0) is True  # already there: no wait
+        assert await waiter == 1  # the newest change
+        assert await db.wait_for_change(0, 0) == 1  # already there: no wait
 
     async def test_compact(self, open_db: OpenDb) -> None:
         db = await open_db()

@@ -164,6 +164,30 @@ class TestStatements:
         assert replay(changes) == {f"g{i}" for i in range(1, 5001)}
         assert len(changes) == 15_000
 
+    async def test_a_statement_logs_one_event_row_per_statement(
+        self, url: str, conns: list[asyncpg.Connection]
+    ) -> None:
+        """One row of keys per statement, whether it changed one row (the short path of the
+        trigger) or many; a NULL key is no key."""
+        await conns[0].execute("CREATE TABLE users (id bigint UNIQUE, name text)")
+        db = await open_database(url, table=TableSpec("users", "id"))
+        try:
+            await conns[0].execute("INSERT INTO users VALUES (1, 'a')")
+            await conns[0].execute("INSERT INTO users VALUES (2, 'b'), (3, 'c'), (NULL, 'd')")
+            await conns[0].execute("INSERT INTO users VALUES (NULL, 'e')")
+            await conns[0].execute("DELETE FROM users WHERE id = 2")
+            await conns[0].execute("DELETE FROM users WHERE id IN (1, 3) OR id IS NULL")
+            events = await conns[0].fetch("SELECT op, keys FROM guard_events ORDER BY seq")
+            assert [(bytes(r["op"]), sorted(r["keys"])) for r in events] == [
+                (b"i", ["1"]),
+                (b"i", ["2", "3"]),
+                (b"d", ["2"]),
+                (b"d", ["1", "3"]),
+            ]
+            assert replay(await db.changes_after(0, 100)) == set()
+        finally:
+            await db.close()
+
     async def test_updates(self, db: PostgresDatabase, conns: list[asyncpg.Connection]) -> None:
         await db.seed(4)
         await conns[0].execute("UPDATE records SET value = '2'")  # no key changes
@@ -262,7 +286,7 @@ class TestWait:
         await asyncio.sleep(0.05)
         assert not waiter.done()
         await conns[0].execute("INSERT INTO records VALUES ('x', '1'), ('y', '1')")
-        assert await asyncio.wait_for(waiter, 60) is True  # the bound only stops a hang
+        assert await asyncio.wait_for(waiter, 60) == 2  # the bound only stops a hang
         assert await db.newest_change() == 2
 
     async def test_idle_polls_lock_and_write_nothing(
@@ -280,7 +304,7 @@ class TestWait:
 
         before = await marks()
         ticks = db.ticks_taken
-        assert await db.wait_for_change(1, 0.3) is False
+        assert await db.wait_for_change(1, 0.3) is None
         assert db.ticks_taken > ticks + 5  # it did poll
         assert await marks() == before
 
@@ -301,10 +325,20 @@ class TestTables:
     async def test_a_later_start_needs_no_ddl(
         self, url: str, conns: list[asyncpg.Connection]
     ) -> None:
-        """Once installed, a user with only reads and writes of the tables can start it."""
+        """Once installed, a user with only reads and writes of the tables can start it, even
+        when an older version's functions are installed (the owner's next start replaces
+        them)."""
         await conns[0].execute("CREATE TABLE users (id bigint PRIMARY KEY, name text)")
         first = await open_database(url, table=TableSpec("users", "id"))
         await first.close()
+        current = await conns[0].fetchval(
+            "SELECT prosrc FROM pg_proc WHERE proname = 'guard_users_insert'"
+        )
+        older = current.replace("BEGIN ", "BEGIN -- an older version\n", 1)
+        await conns[0].execute(
+            "CREATE OR REPLACE FUNCTION guard_users_insert() RETURNS trigger LANGUAGE plpgsql "
+            f"SECURITY DEFINER AS $guard${older}$guard$"
+        )
         role = f"db16_writer_{uuid.uuid4().hex[:8]}"  # roles are shared by every database
         await conns[0].execute(
             f"CREATE ROLE {role} LOGIN; GRANT SELECT, INSERT, UPDATE, DELETE "
@@ -318,6 +352,11 @@ class TestTables:
                 assert [c.item for c in await db.changes_after(0, 10)] == ["1"]
             finally:
                 await db.close()
+            body = "SELECT prosrc FROM pg_proc WHERE proname = 'guard_users_insert'"
+            assert await conns[0].fetchval(body) == older  # not its to replace
+            owner = await open_database(url, table=TableSpec("users", "id"))
+            await owner.close()
+            assert await conns[0].fetchval(body) == current
         finally:
             await conns[0].execute(
                 f"REVOKE ALL ON users, guard_events, guard_ticks, guard_feed FROM {role}; "

@@ -92,7 +92,7 @@ class TestAToyDatabase:
             ]
             assert await db.present_at(["a", "user-2", "user-3"]) == (5, ["a", "user-3"])
             assert sorted(await db.sample_keys(10)) == ["a", "user-1", "user-3"]
-            assert await db.wait_for_change(4, 1.0) is True
+            assert await db.wait_for_change(4, 1.0) == 5
             assert await db.compact(4) == 4 and await db.oldest_change() == 5
         finally:
             await db.close()

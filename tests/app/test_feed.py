@@ -84,7 +84,7 @@ class TestFollower:
         real_wait = svc.db.wait_for_change
         failures = 0
 
-        async def wait_or_fail(after: int, timeout: float) -> bool:
+        async def wait_or_fail(after: int, timeout: float) -> int | None:
             nonlocal failures
             if failures < 2:
                 failures += 1
@@ -307,6 +307,45 @@ class TestCachesFollowTheFeed:
         await until(lambda: caught_up(following), "the other process applied both")
         assert (await reader.client.get("/records/later")).json() == {"key": "later", "value": 1}
         assert (await reader.client.get("/records/user-6")).status_code == 404
+
+    async def test_a_load_in_flight_during_a_change_caches_nothing(
+        self, start: StartService, db_url: str, other: Other, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A read that loaded the row before a change applied meanwhile answers what it read,
+        and does not cache it: the next read finds the change."""
+        svc = await start_on(start, db_url, cache_ttl=300)
+        loaded, release = asyncio.Event(), asyncio.Event()
+        db_get = svc.db.get
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            row = await db_get(*args, **kwargs)
+            loaded.set()
+            await asyncio.wait_for(release.wait(), 30)
+            return row
+
+        monkeypatch.setattr(svc.db, "get", held)
+        reading = asyncio.create_task(svc.client.get("/records/user-5"))
+        await asyncio.wait_for(loaded.wait(), 30)
+        monkeypatch.setattr(svc.db, "get", db_get)
+        await other("DELETE FROM records WHERE key = 'user-5'")
+        await until(lambda: caught_up(svc), "the follower applied the delete")
+        release.set()
+        assert (await reading).json()["value"] == "value-5"  # what it read, before
+        assert (await svc.client.get("/records/user-5")).status_code == 404
+
+    async def test_changes_leave_nothing_in_redis(
+        self, start: StartService, db_url: str, other: Other
+    ) -> None:
+        """Applying a change deletes its key's cache entries and load version, and writes
+        nothing in their place: Redis holds nothing per change, however many there are."""
+        svc = await start_on(start, db_url, cache_ttl=300)
+        assert (await svc.client.get("/records/user-2")).status_code == 200  # cached
+        rows = ", ".join(f"('bulk-{i}', '1')" for i in range(500))
+        await other(f"INSERT INTO records (key, value) VALUES {rows}")
+        await other("DELETE FROM records WHERE key = 'user-2'")
+        await until(lambda: caught_up(svc), "the follower applied them")
+        pattern = f"{svc.settings.key_prefix}app:cache:*"
+        assert [k async for k in svc.records.cache.redis.scan_iter(match=pattern)] == []
 
 
 class TestNeedsRebuild:

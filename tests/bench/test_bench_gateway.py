@@ -17,7 +17,9 @@ def test_quick_run_writes_the_report(tmp_path: Path) -> None:
     doc = out.read_text()
     assert_common_header(doc, "gateway")
     assert "nginx" in table_rows(doc, "## Environment")
-    assert [row[:3] for row in table_rows(doc, "## Summary")] == ["(a)", "(b)", "(b)", "(b)", "(c)"]
+    assert [row[:3] for row in table_rows(doc, "## Summary")] == [
+        "(a)", "(b)", "(b)", "(b)", "(b)", "(c)", "(c)",
+    ]  # fmt: skip
     for heading in (
         "## (a) Blocked requests",
         "## (b) Present keys: what the guard hop adds",
@@ -26,4 +28,9 @@ def test_quick_run_writes_the_report(tmp_path: Path) -> None:
         assert heading in doc, heading
     assert table_rows(doc, "## (c) The authorisation route") == [
         "route, present key", "route, absent key", "bare ASGI app, 204",
+        "bare ASGI app, one Redis GET, 204",
+    ]  # fmt: skip
+    assert table_rows(doc, "## (b) Present keys")[:3] == [
+        "present: nginx + guard -> backend", "present: nginx -> backend",
+        "present: nginx + bare hop -> backend",
     ]  # fmt: skip
