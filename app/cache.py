@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
@@ -134,8 +133,10 @@ class RecordCache:
         cached = None
         if self.enabled and not self.breaker.open:
             try:
+                # A number: a process of an earlier version, during a rolling upgrade,
+                # bumps versions with INCR.
                 version, cached = await self._read(
-                    keys=[version_key, cache_key], args=[os.urandom(8).hex(), _VERSION_TTL_MS]
+                    keys=[version_key, cache_key], args=[random.getrandbits(62), _VERSION_TTL_MS]
                 )
             except RedisUnreachable:
                 self._failed()

@@ -333,6 +333,33 @@ class TestCachesFollowTheFeed:
         assert (await reading).json()["value"] == "value-5"  # what it read, before
         assert (await svc.client.get("/records/user-5")).status_code == 404
 
+    async def test_an_earlier_versions_bump_still_stops_a_load(
+        self, start: StartService, db_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """During a rolling upgrade a process of the earlier version bumps a key's version
+        with INCR: a load version is a number, so the bump works and the load caches
+        nothing."""
+        svc = await start_on(start, db_url, cache_ttl=300)
+        cache = svc.records.cache
+        loaded, release = asyncio.Event(), asyncio.Event()
+        db_get = svc.db.get
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            row = await db_get(*args, **kwargs)
+            loaded.set()
+            await asyncio.wait_for(release.wait(), 30)
+            return row
+
+        monkeypatch.setattr(svc.db, "get", held)
+        reading = asyncio.create_task(svc.client.get("/records/user-7"))
+        await asyncio.wait_for(loaded.wait(), 30)
+        monkeypatch.setattr(svc.db, "get", db_get)
+        version_key, cache_key = cache._keys("user-7")
+        await cache.redis.incr(version_key)  # what the earlier version's change did
+        release.set()
+        assert (await reading).status_code == 200
+        assert await cache.redis.exists(cache_key) == 0
+
     async def test_changes_leave_nothing_in_redis(
         self, start: StartService, db_url: str, other: Other
     ) -> None:
