@@ -256,6 +256,27 @@ class TestWrites:
         await assert_filter_is_table(svc)
 
 
+async def read_held_after_loading(
+    svc: Service, monkeypatch: pytest.MonkeyPatch, key: str
+) -> tuple[asyncio.Task[Any], asyncio.Event]:
+    """A GET of `key` that has read its row from the database and is held there, before it
+    caches anything, until the event returned is set; later reads are not held."""
+    loaded, release = asyncio.Event(), asyncio.Event()
+    db_get = svc.db.get
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        row = await db_get(*args, **kwargs)
+        loaded.set()
+        await asyncio.wait_for(release.wait(), 30)
+        return row
+
+    monkeypatch.setattr(svc.db, "get", held)
+    reading = asyncio.create_task(svc.client.get(f"/records/{key}"))
+    await asyncio.wait_for(loaded.wait(), 30)
+    monkeypatch.setattr(svc.db, "get", db_get)
+    return reading, release
+
+
 class TestCachesFollowTheFeed:
     """What the caches hold of a key goes when the feed applies a change of it, in every
     process, whoever wrote it."""
@@ -314,19 +335,7 @@ class TestCachesFollowTheFeed:
         """A read that loaded the row before a change applied meanwhile answers what it read,
         and does not cache it: the next read finds the change."""
         svc = await start_on(start, db_url, cache_ttl=300)
-        loaded, release = asyncio.Event(), asyncio.Event()
-        db_get = svc.db.get
-
-        async def held(*args: Any, **kwargs: Any) -> Any:
-            row = await db_get(*args, **kwargs)
-            loaded.set()
-            await asyncio.wait_for(release.wait(), 30)
-            return row
-
-        monkeypatch.setattr(svc.db, "get", held)
-        reading = asyncio.create_task(svc.client.get("/records/user-5"))
-        await asyncio.wait_for(loaded.wait(), 30)
-        monkeypatch.setattr(svc.db, "get", db_get)
+        reading, release = await read_held_after_loading(svc, monkeypatch, "user-5")
         await other("DELETE FROM records WHERE key = 'user-5'")
         await until(lambda: caught_up(svc), "the follower applied the delete")
         release.set()
@@ -341,19 +350,7 @@ class TestCachesFollowTheFeed:
         nothing."""
         svc = await start_on(start, db_url, cache_ttl=300)
         cache = svc.records.cache
-        loaded, release = asyncio.Event(), asyncio.Event()
-        db_get = svc.db.get
-
-        async def held(*args: Any, **kwargs: Any) -> Any:
-            row = await db_get(*args, **kwargs)
-            loaded.set()
-            await asyncio.wait_for(release.wait(), 30)
-            return row
-
-        monkeypatch.setattr(svc.db, "get", held)
-        reading = asyncio.create_task(svc.client.get("/records/user-7"))
-        await asyncio.wait_for(loaded.wait(), 30)
-        monkeypatch.setattr(svc.db, "get", db_get)
+        reading, release = await read_held_after_loading(svc, monkeypatch, "user-7")
         version_key, cache_key = cache._keys("user-7")
         await cache.redis.incr(version_key)  # what the earlier version's change did
         release.set()
