@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 import statistics
 import subprocess
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,19 +48,27 @@ QUICK = Scale(seconds=1, rounds=3, busy=32, moderate=4, sequential=1_000)
 FULL = Scale(seconds=10, rounds=3, busy=32, moderate=4, sequential=10_000)
 
 
-def bare_app() -> Any:
-    """`uvicorn bench.gateway:bare_app --factory`: 204 for anything (200 at /health, for the
-    readiness probe), no framework: the least an authorisation hop on uvicorn can cost."""
+def _answering_204(before: Callable[[], Awaitable[Any]] | None = None) -> Any:
+    """An ASGI app answering 204 for anything (200 at /health, for the readiness probe), no
+    framework, after awaiting ``before()`` when given."""
     no_content: dict[str, Any] = {"type": "http.response.start", "status": 204, "headers": []}
     ok: dict[str, Any] = {"type": "http.response.start", "status": 200, "headers": []}
     body: dict[str, Any] = {"type": "http.response.body", "body": b""}
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
+            if before is not None:
+                await before()
             await send(ok if scope["path"] == "/health" else no_content)
             await send(body)
 
     return app
+
+
+def bare_app() -> Any:
+    """`uvicorn bench.gateway:bare_app --factory`: the least an authorisation hop on uvicorn
+    can cost."""
+    return _answering_204()
 
 
 def redis_app() -> Any:
@@ -66,17 +76,7 @@ def redis_app() -> Any:
     request (redis-py's asyncio client, as the guard uses it; GUARD_REDIS_URL): the least an
     authorisation hop that asks Redis costs, before it looks anything up."""
     redis = connect_async(os.environ["GUARD_REDIS_URL"])
-    no_content: dict[str, Any] = {"type": "http.response.start", "status": 204, "headers": []}
-    ok: dict[str, Any] = {"type": "http.response.start", "status": 200, "headers": []}
-    body: dict[str, Any] = {"type": "http.response.body", "body": b""}
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            await redis.get("bench:gateway:nothing")
-            await send(ok if scope["path"] == "/health" else no_content)
-            await send(body)
-
-    return app
+    return _answering_204(partial(redis.get, "bench:gateway:nothing"))
 
 
 def nginx_alone(workdir: Path) -> Nginx:
