@@ -132,11 +132,6 @@ class BoundScripts(dict[str, Any]):
         return bound
 
 
-def register(client: Any) -> BoundScripts:
-    """The scripts' Script objects, bound to ``client`` when first asked for."""
-    return BoundScripts(client)
-
-
 # -- what Redis's error replies mean ---------------------------------------------------------
 
 

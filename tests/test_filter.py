@@ -179,7 +179,7 @@ class TestWorkLimit:
         batch = items(400)
         lay = cf._layout
         flat = hashing.flat(hashing.hash_batch([x.encode() for x in batch], lay.seed))
-        insert = scripts.register(sync_redis)["insert"]
+        insert = scripts.BoundScripts(sync_redis)["insert"]
         reply = insert(keys=[cf.key(0)], args=[*lay.args(), 0, *flat])
         # Nearly empty: no item kicks, so the call takes exactly what its budget allows.
         taken = (ops.KICK_BUDGET - lay.max_kicks) // ops.ITEM_WORK  # max_kicks <= RESERVE_MAX
@@ -204,7 +204,7 @@ class TestWorkLimit:
         batch = items(400)
         lay = cf._layout
         flat = hashing.flat(hashing.hash_batch([x.encode() for x in batch], lay.seed))
-        reply = scripts.register(sync_redis)["insert"](
+        reply = scripts.BoundScripts(sync_redis)["insert"](
             keys=[cf.key(0)], args=[*lay.args(), 0, *flat]
         )
         taken = (ops.KICK_BUDGET - ops.RESERVE_MAX) // ops.ITEM_WORK

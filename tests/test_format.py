@@ -191,7 +191,7 @@ class TestCheckersAgree:
         head = replies[0]
         told = layout.unpack_header(head).layout if len(head) == layout.HEADER_BYTES else cf._layout
         try:
-            reply = scripts.register(sync_redis)["count"](keys=keys, args=told.args())
+            reply = scripts.BoundScripts(sync_redis)["count"](keys=keys, args=told.args())
             assert reply[0] == scripts.OK, reply  # never STALE: told what is stored
         except ResponseError as exc:
             assert isinstance(scripts.map_error(exc, "f"), FilterCorruptError), exc
