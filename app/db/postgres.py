@@ -227,16 +227,16 @@ END"""
     ]
 
 
-def _function_bodies(statements: list[str]) -> dict[str, str]:
-    """Function name -> body, of the CREATE FUNCTION statements among `statements` (as
-    pg_proc.prosrc holds it)."""
-    bodies = {}
+def _functions(statements: list[str]) -> dict[str, tuple[str, str]]:
+    """Function name -> (its CREATE statement, its body as pg_proc.prosrc holds it), of the
+    CREATE FUNCTION statements among `statements`."""
+    found = {}
     for statement in statements:
         if statement.startswith("CREATE OR REPLACE FUNCTION"):
             head, body, _ = statement.split("$guard$")
             name = head.split("(", 1)[0].rsplit(".", 1)[1].strip('"')
-            bodies[name] = body
-    return bodies
+            found[name] = (statement, body)
+    return found
 
 
 def uninstall_sql(spec: TableSpec) -> list[str]:
@@ -350,7 +350,7 @@ class PostgresDatabase(BaseDatabase):
             if not await self._installed(conn):
                 await self._install(conn, schema)
             elif outdated := await self._outdated_functions(conn, schema):
-                await self._upgrade_functions(conn, schema, outdated)
+                await self._upgrade_functions(conn, outdated)
 
     async def _install(self, conn: asyncpg.Connection, schema: str) -> None:
         """Install the feed, or upgrade the serialising log an older version installed."""
@@ -402,12 +402,10 @@ class PostgresDatabase(BaseDatabase):
             base,
         )
 
-    async def _outdated_functions(self, conn: asyncpg.Connection, schema: str) -> list[str]:
+    async def _outdated_functions(self, conn: asyncpg.Connection, schema: str) -> dict[str, str]:
         """The feed's functions whose body differs from this version's (installed by an older
-        one): their names."""
-        n = self._n
-        assert n is not None
-        wanted = _function_bodies(_install_sql(n, schema))
+        one): name -> the statement that replaces it."""
+        wanted = _functions(_install_sql(self._names, schema))
         rows = await conn.fetch(
             "SELECT p.proname, p.prosrc FROM pg_proc p JOIN pg_namespace s "
             "ON s.oid = p.pronamespace WHERE s.nspname = $1 AND p.proname = ANY($2::text[])",
@@ -415,26 +413,24 @@ class PostgresDatabase(BaseDatabase):
             list(wanted),
         )
         found = {str(r["proname"]): str(r["prosrc"]) for r in rows}
-        return [name for name, body in wanted.items() if found.get(name) != body]
+        return {
+            name: statement for name, (statement, body) in wanted.items() if found.get(name) != body
+        }
 
-    async def _upgrade_functions(
-        self, conn: asyncpg.Connection, schema: str, outdated: list[str]
-    ) -> None:
+    async def _upgrade_functions(self, conn: asyncpg.Connection, outdated: dict[str, str]) -> None:
         """Replace the feed's functions an older version installed (their events mean the
         same: only how they are written changed). Without the right to, the old ones stay:
         they work, at their old cost."""
+        names = ", ".join(outdated)
         try:
             async with conn.transaction():  # a savepoint: a refusal leaves the start going on
-                for statement in _install_sql(self._names, schema):
-                    if statement.startswith("CREATE OR REPLACE FUNCTION"):
-                        await conn.execute(statement)
+                for statement in outdated.values():
+                    await conn.execute(statement)
         except asyncpg.InsufficientPrivilegeError as exc:
             log.warning("the change feed's functions %s are an older version's and could not "
-                        "be replaced (%s): they work, at their old cost", ", ".join(outdated),
-                        exc)  # fmt: skip
+                        "be replaced (%s): they work, at their old cost", names, exc)  # fmt: skip
         else:
-            log.info("replaced the change feed's functions %s with this version's",
-                     ", ".join(outdated))  # fmt: skip
+            log.info("replaced the change feed's functions %s with this version's", names)
 
     async def _describe_table(self, conn: asyncpg.Connection) -> None:
         spec = self.spec
